@@ -1,0 +1,573 @@
+"""Client side of the parameter servers: routing by the cluster map, fan-out, and the worker's 2PC loop.
+
+Used by workers (training), the launcher (evaluation, `params_sha256`, the parity check) and benchmarks.
+Requests to different servers go out concurrently as gRPC futures; tensors are sent as raw bytes. With ECRec
+the client follows the cluster map: rows of a failed shard are read from and written to their parity servers
+(degraded mode), and `apply_update` runs the per-part two-phase commit of docs/protocol.md until every row's
+update is applied exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+import torch
+
+from ecrec.evaluation import auc, logloss
+from ecrec.faults import fault_point
+from ecrec.jobctx import JobContext
+from ecrec.metrics import Metrics
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+from ecrec.server import GRPC_OPTIONS
+from ecrec.wire import floats_to_bytes, ids_to_bytes
+
+log = logging.getLogger("ecrec.client")
+READ_PAGE_ROWS = 1 << 18
+MAX_ATTEMPTS = 200
+RETRYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
+
+
+class ServerUnavailable(RuntimeError):
+    def __init__(self, shard: int, cause: grpc.RpcError):
+        super().__init__(f"server {shard} unavailable: {cause.code().name}: {cause.details()}")
+        self.shard, self.cause = shard, cause
+
+
+@dataclass
+class Pending:
+    """RPCs in flight; `wait()` returns their responses or raises ServerUnavailable for the first failure."""
+
+    calls: list[tuple[int, str, grpc.Future]]
+    client: PSClient
+
+    def wait(self, timeout: float | None = None) -> list:
+        return [self.client._result(shard, method, fut, timeout) for shard, method, fut in self.calls]
+
+
+@dataclass
+class Part:
+    """One stage of the per-part 2PC: rows of one data shard (or of a failed shard at its acting home)."""
+
+    target: int
+    src: int  # -1: the target's own rows
+    pos: torch.Tensor  # positions into the update's row arrays
+    dense: list[int] = field(default_factory=list)
+    txn: str = ""
+
+
+class PSClient:
+    def __init__(
+        self,
+        ctx: JobContext,
+        cluster: dict,
+        metrics: Metrics | None = None,
+        timeout: float = 30.0,
+        coordinator: str = "",
+    ):
+        self.ctx, self.timeout = ctx, timeout
+        self.metrics = metrics or Metrics(ctx.name, "client")
+        self.coordinator = coordinator.rstrip("/")
+        self.http = httpx.Client(timeout=15.0) if coordinator else None
+        self.channels: dict[int, grpc.Channel] = {}
+        self.stubs: dict[int, pb_grpc.ParameterServerStub] = {}
+        self.addresses: dict[int, str] = {}
+        self.states: dict[int, str] = {}
+        self.epoch = 0
+        self.update_cluster(cluster)
+
+    @classmethod
+    def from_coordinator(cls, ctx: JobContext, url: str, **kw) -> PSClient:
+        r = httpx.get(f"{url.rstrip('/')}/cluster", timeout=5.0)
+        r.raise_for_status()
+        return cls(ctx, r.json(), coordinator=url, **kw)
+
+    # -- the cluster map -------------------------------------------------------------------------------
+    def update_cluster(self, cluster: dict) -> None:
+        if int(cluster["epoch"]) < self.epoch:
+            return
+        self.epoch = int(cluster["epoch"])
+        for s in cluster["shards"]:
+            shard, addr = int(s["shard"]), s["address"]
+            self.states[shard] = s["state"]
+            if addr and self.addresses.get(shard) != addr:
+                if shard in self.channels:
+                    self.channels[shard].close()
+                ch = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+                self.channels[shard], self.stubs[shard], self.addresses[shard] = (
+                    ch,
+                    pb_grpc.ParameterServerStub(ch),
+                    addr,
+                )
+
+    def refresh(self) -> None:
+        if self.http is not None:
+            self.update_cluster(self.http.get(f"{self.coordinator}/cluster").json())
+
+    def report_failure(self, shard: int) -> None:
+        """Tell the coordinator we could not reach `shard`; it probes, and we adopt the resulting map."""
+        if self.http is None:
+            raise RuntimeError(f"server {shard} is unreachable and this client has no coordinator")
+        r = self.http.post(f"{self.coordinator}/v1/failures", json={"shard": shard, "reporter": "client"})
+        self.update_cluster(r.json()["cluster"])
+
+    def _recover_from(self, shard: int, err: grpc.RpcError) -> None:
+        """React to a retryable error from `shard` before trying again."""
+        code = err.code()
+        self.metrics.of(self.metrics.rpc_errors, method="retry", code=code.name).inc()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            self.report_failure(shard)
+        elif code == grpc.StatusCode.FAILED_PRECONDITION:
+            self.refresh()
+        time.sleep(0.01 if code == grpc.StatusCode.FAILED_PRECONDITION else 0.05)
+
+    def failed(self, shard: int) -> bool:
+        return self.states.get(shard) == "failed"
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        if self.http is not None:
+            self.http.close()
+
+    def _call(self, shard: int, method: str, request) -> grpc.Future:
+        return getattr(self.stubs[shard], method).future(request, timeout=self.timeout)
+
+    def _result(self, shard: int, method: str, fut: grpc.Future, timeout: float | None = None):
+        try:
+            return fut.result(timeout=timeout)
+        except grpc.RpcError as e:
+            self.metrics.of(self.metrics.rpc_errors, method=method, code=e.code().name).inc()
+            raise ServerUnavailable(shard, e) from e
+
+    @property
+    def ft(self) -> bool:
+        return self.ctx.ecrec and self.http is not None
+
+    # -- embedding rows --------------------------------------------------------------------------------
+    def pull_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for unique global ids `g` -> float32 [n, dim] (CPU)."""
+        out = torch.empty(g.numel(), self.ctx.dim, dtype=torch.float32)
+        todo = torch.arange(g.numel())
+        with self.metrics.timed("Pull"):
+            for _attempt in range(MAX_ATTEMPTS):
+                calls = []
+                for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
+                    pos = todo[pos]
+                    if self.failed(s):  # degraded read at the parity servers
+                        pservers, _idx = self.ctx.placement.parity_of(s, self.ctx.placement.local_row(g[pos]))
+                        for p in pservers.unique().tolist():
+                            sub = pos[pservers == p]
+                            req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))
+                            calls.append((p, sub, self._call(p, "DegradedPull", req)))
+                    else:
+                        req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]))
+                        calls.append((s, pos, self._call(s, "Pull", req)))
+                retry, errors = [], []
+                for server, pos, fut in calls:
+                    try:
+                        resp = fut.result()
+                        out[pos] = torch.frombuffer(resp.rows, dtype=torch.float32).view(-1, self.ctx.dim)
+                    except grpc.RpcError as e:
+                        if not self.ft or e.code() not in RETRYABLE:
+                            raise ServerUnavailable(server, e) from e
+                        retry.append(pos)
+                        errors.append((server, e))
+                if not retry:
+                    return out
+                for server, e in {s: e for s, e in errors}.items():
+                    self._recover_from(server, e)
+                todo = torch.cat(retry)
+        raise RuntimeError("pull_rows: gave up after too many retries")
+
+    def push_rows(self, g: torch.Tensor, grads: torch.Tensor, txn: str = "") -> Pending:
+        """Foundation path (strategy none): apply at once, no retries."""
+        grads = grads.to("cpu", torch.float32)
+        calls = []
+        for s, pos, _local in self.ctx.placement.group_by_shard(g):
+            payload = floats_to_bytes(grads[pos])
+            self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(payload))
+            req = pb.PushRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]), grads=payload, txn=txn)
+            calls.append((s, "Push", self._call(s, "Push", req)))
+        return Pending(calls, self)
+
+    # -- dense parameters ------------------------------------------------------------------------------
+    def dense_targets(self, chunk: int) -> list[int]:
+        """Live replicas of a dense chunk, serving ones first."""
+        holders = [h for h in self.ctx.dense_holders(chunk) if not self.failed(h)]
+        return sorted(holders, key=lambda h: self.states.get(h) != "up")
+
+    def pull_dense(self) -> torch.Tensor:
+        ctx = self.ctx
+        out = torch.empty(ctx.dense_numel, dtype=torch.float32)
+        todo = list(range(ctx.num_servers))
+        with self.metrics.timed("PullDense"):
+            for _attempt in range(MAX_ATTEMPTS):
+                calls = []
+                for c in todo:
+                    targets = self.dense_targets(c)
+                    if not targets:
+                        raise RuntimeError(f"dense chunk {c} has no live replica")
+                    req = pb.DensePullRequest(epoch=self.epoch, chunk=c)
+                    calls.append((targets[0], c, self._call(targets[0], "PullDense", req)))
+                retry = []
+                for h, c, fut in calls:
+                    try:
+                        lo, hi = ctx.dense_bounds[c]
+                        out[lo:hi] = torch.frombuffer(fut.result().values, dtype=torch.float32)
+                    except grpc.RpcError as e:
+                        if not self.ft or e.code() not in RETRYABLE:
+                            raise ServerUnavailable(h, e) from e
+                        self._recover_from(h, e)
+                        retry.append(c)
+                if not retry:
+                    return out
+                todo = retry
+        raise RuntimeError("pull_dense: gave up after too many retries")
+
+    def push_dense(self, grad: torch.Tensor, txn: str = "") -> Pending:
+        ctx, grad = self.ctx, grad.to("cpu", torch.float32)
+        calls = []
+        for c, (lo, hi) in enumerate(ctx.dense_bounds):
+            payload = floats_to_bytes(grad[lo:hi])
+            for h in ctx.dense_holders(c):
+                self.metrics.of(self.metrics.bytes_sent, kind="dense").inc(len(payload))
+                req = pb.DensePushRequest(epoch=self.epoch, chunk=c, grads=payload, txn=txn)
+                calls.append((h, "PushDense", self._call(h, "PushDense", req)))
+        return Pending(calls, self)
+
+    # -- ECRec updates ---------------------------------------------------------------------------------
+    def plan_parts(
+        self, g: torch.Tensor, todo: torch.Tensor, dense_todo: dict[int, set[int]], step: str, attempt: int
+    ) -> list[Part]:
+        p = self.ctx.placement
+        parts: dict[tuple[int, int], Part] = {}
+        for s, pos, local in p.group_by_shard(g[todo]):
+            pos = todo[pos]
+            if self.failed(s):
+                pservers, _ = p.parity_of(s, local)
+                for ps in pservers.unique().tolist():
+                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps])
+            else:
+                parts[(s, -1)] = Part(s, -1, pos)
+        for c, holders in dense_todo.items():
+            for h in holders:
+                parts.setdefault((h, -1), Part(h, -1, torch.empty(0, dtype=torch.int64))).dense.append(c)
+        for part in parts.values():
+            part.txn = f"{step}/{part.target}.{part.src}.{attempt}"
+        return list(parts.values())
+
+    def apply_update(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
+        """Apply one step's update with the per-part 2PC; returns when every part has committed.
+
+        Each part is committed as soon as its own stage is acknowledged — never after waiting for other parts
+        — so a staged row is released within one round trip and parts cannot wait on each other."""
+        ctx = self.ctx
+        two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
+        grads = grads.to("cpu", torch.float32)
+        dense_grad = dense_grad.to("cpu", torch.float32)
+        todo = torch.arange(g.numel())
+        dense_todo = {c: set(self.dense_targets(c)) for c in range(ctx.num_servers)}
+        for attempt in range(MAX_ATTEMPTS):
+            if todo.numel() == 0 and not any(dense_todo.values()):
+                return
+            events: queue.Queue = queue.Queue()
+            parts = self.plan_parts(g, todo, dense_todo, step, attempt)
+            for part in parts:
+                fut = self._send_stage(part, g, grads, dense_grad, two_pc)
+                fut.add_done_callback(lambda f, part=part, q=events: q.put(("stage", part, f)))
+            outstanding, done_rows, errors = len(parts), [], {}
+            while outstanding:
+                phase, part, fut = events.get()
+                outstanding -= 1
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as e:
+                    if e.code() not in RETRYABLE:
+                        raise ServerUnavailable(part.target, e) from e
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        errors[part.target] = e  # stale map or busy rows: retry the part on the next pass
+                        continue
+                    # Unreachable: is it dead? The coordinator probes before it says so.
+                    self.report_failure(part.target)
+                    alive = not self.failed(part.target)
+                    if phase == "commit" and alive:  # commits are idempotent: ask again
+                        cf = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
+                        cf.add_done_callback(lambda f, part=part, q=events: q.put(("commit", part, f)))
+                        outstanding += 1
+                        continue
+                    if phase == "stage" and alive:  # it may have staged: undo that before retrying
+                        self._abort_part(part)
+                        continue
+                    if part.src < 0 and part.pos.numel():
+                        # stage: the data server died before acking -> drop its staged deltas, the retry
+                        # re-applies; commit: it acked, then died -> its parity servers commit for it.
+                        self._decide_on_behalf(part, g, commit=phase == "commit")
+                    if phase == "stage":
+                        continue
+                    resp = None  # a dead server acked the stage: the surviving copies hold the update
+                if phase == "stage" and (two_pc or part.src >= 0):
+                    fault_point("worker:before_commit")
+                    cf = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
+                    fault_point("worker:mid_commit")
+                    cf.add_done_callback(lambda f, part=part, q=events: q.put(("commit", part, f)))
+                    outstanding += 1
+                    continue
+                if phase == "commit" and resp is not None and resp.outcome not in ("committed", "committing"):
+                    continue  # aborted by the server's timeout: retry the part
+                done_rows.append(part.pos)
+                for c in part.dense:
+                    dense_todo[c].discard(part.target)
+            if done_rows:
+                done = torch.zeros(g.numel(), dtype=torch.bool)
+                done[torch.cat(done_rows)] = True
+                todo = todo[~done[todo]]
+            for server, e in errors.items():
+                self._recover_from(server, e)
+            # Replicas that died are dropped: the surviving replica holds the chunk.
+            for c in dense_todo:
+                dense_todo[c] = {h for h in dense_todo[c] if not self.failed(h)}
+        raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
+
+    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> grpc.Future:
+        ctx = self.ctx
+        ids, rows = ids_to_bytes(g[part.pos]), floats_to_bytes(grads[part.pos])
+        self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(rows))
+        dense = [floats_to_bytes(dense_grad[slice(*ctx.dense_bounds[c])]) for c in part.dense]
+        if not two_pc and part.src < 0:
+            # Without 2PC: apply at once. Rows and dense chunks go as separate calls; gather them.
+            futs = []
+            if part.pos.numel():
+                futs.append(
+                    self._call(
+                        part.target,
+                        "Push",
+                        pb.PushRequest(epoch=self.epoch, ids=ids, grads=rows, txn=part.txn),
+                    )
+                )
+            for c, buf in zip(part.dense, dense, strict=True):
+                futs.append(
+                    self._call(
+                        part.target,
+                        "PushDense",
+                        pb.DensePushRequest(epoch=self.epoch, chunk=c, grads=buf, txn=part.txn),
+                    )
+                )
+            return _AllOf(futs)
+        req = pb.StageRequest(
+            epoch=self.epoch,
+            txn=part.txn,
+            ids=ids,
+            grads=rows,
+            src=part.src,
+            dense_chunks=part.dense,
+            dense_grads=dense,
+        )
+        return self._call(part.target, "Stage", req)
+
+    def _abort_part(self, part: Part) -> None:
+        """Abort a part on a live server whose stage answer we lost (it aborts and tells its parity servers)."""
+        try:
+            self.stubs[part.target].Abort(pb.TxnRequest(epoch=self.epoch, txn=part.txn), timeout=self.timeout)
+        except grpc.RpcError as e:
+            log.warning("could not abort %s at server %d: %s", part.txn, part.target, e.code().name)
+
+    def _decide_on_behalf(self, part: Part, g: torch.Tensor, commit: bool) -> None:
+        """Decide a dead data server's staged deltas at its (live) parity servers."""
+        p = self.ctx.placement
+        local = p.local_row(g[part.pos])
+        for j in range(p.r):
+            for ps, _pos, _idx in p.group_by_parity(part.target, local, j):
+                if self.failed(ps) or ps not in self.stubs:
+                    continue
+                try:
+                    self.stubs[ps].DecideDeltas(
+                        pb.DeltaDecision(epoch=self.epoch, txn=part.txn, src=part.target, commit=commit),
+                        timeout=self.timeout,
+                    )
+                except grpc.RpcError as e:
+                    log.warning("could not decide %s at server %d: %s", part.txn, ps, e.code().name)
+
+    # -- whole records ---------------------------------------------------------------------------------
+    def read_records(self, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
+        pages, start, width = [], 0, self.ctx.record_width
+        while True:
+            req = pb.ReadRecordsRequest(
+                epoch=self.epoch, kind=kind, start=start, count=READ_PAGE_ROWS, chunk=chunk
+            )
+            resp = self._result(shard, "ReadRecords", self._call(shard, "ReadRecords", req))
+            width = resp.width or width
+            if resp.count:
+                pages.append(
+                    torch.frombuffer(resp.records, dtype=torch.float32).view(resp.count, resp.width).clone()
+                )
+            start += resp.count
+            if resp.count < READ_PAGE_ROWS:
+                break
+        return torch.cat(pages) if pages else torch.empty(0, width)
+
+    def all_row_records(self) -> torch.Tensor:
+        """Every embedding row record in global row order: [G, W]."""
+        ctx, p = self.ctx, self.ctx.placement
+        n = ctx.num_servers
+        per = -(-p.num_rows // n)
+        full = torch.zeros(per * n, ctx.record_width, dtype=torch.float32)
+        grid = full.view(per, n, ctx.record_width)
+        for s in range(n):
+            recs = self.read_records(s, pb.DATA)
+            grid[: recs.shape[0], s] = recs
+        return full[: p.num_rows]
+
+    def all_dense_records(self) -> torch.Tensor:
+        """Dense-parameter records (param + optimizer state per scalar) in parameter order: [D, Wd]."""
+        ctx = self.ctx
+        return torch.cat(
+            [self.read_records(self.dense_targets(c)[0], pb.DENSE, c) for c in range(ctx.num_servers)]
+        )
+
+    def params_sha256(self) -> str:
+        """Hash of the whole logical model, independent of the number of servers and of placement."""
+        h = hashlib.sha256()
+        for t in (self.all_row_records(), self.all_dense_records()):
+            h.update(t.contiguous().numpy().data)
+        return h.hexdigest()
+
+    def dense_replica_mismatches(self) -> int:
+        """Dense chunks whose two replicas differ (0 in deterministic mode, where updates are ordered)."""
+        bad = 0
+        for c in range(self.ctx.num_servers):
+            holders = self.dense_targets(c)
+            if len(holders) == 2:
+                a, b = (self.read_records(h, pb.DENSE, c) for h in holders)
+                bad += int(not torch.equal(a.view(torch.int32), b.view(torch.int32)))
+        return bad
+
+    def staged_counts(self) -> list[int]:
+        """Undecided 2PC state per server (0 everywhere once the job is quiet)."""
+        return [
+            int(self.stubs[s].Info(pb.InfoRequest(), timeout=self.timeout).staged)
+            for s in range(self.ctx.num_servers)
+        ]
+
+    def read_versions(self, server: int, kind: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All records of one kind on a server with their versions (DATA: [n]; PARITY: pver [n, k])."""
+        recs, vers = [], []
+        for lo in range(0, n, READ_PAGE_ROWS):
+            index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
+            req = pb.ReadRowsRequest(epoch=self.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
+            resp = self._result(server, "ReadRows", self._call(server, "ReadRows", req))
+            recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1).clone())
+            vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1).clone())
+        if not recs:
+            return torch.empty(0, self.ctx.record_width), torch.empty(0, 1, dtype=torch.int64)
+        return torch.cat(recs), torch.cat(vers)
+
+    def parity_check(self, rounds: int = 5) -> dict:
+        """Invariant I1: every parity record equals the encoding of its stripe's members, entries and optimizer
+        state (bit-exact for xor). Works on a running job: a stripe whose member versions differ from those its
+        parity reflects has a commit in flight and is checked again in the next round."""
+        from ecrec.core.codes import make_code
+
+        ctx, p = self.ctx, self.ctx.placement
+        if any(self.failed(s) or self.states.get(s) == "recovering" for s in range(ctx.num_servers)):
+            raise RuntimeError("parity check needs every server up (a shard is failed or recovering)")
+        code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+        pending = {s: None for s in range(ctx.num_servers)}  # parity server -> indices still to check
+        stripes = mismatches = 0
+        for _round in range(rounds):
+            data = [self.read_versions(s, pb.DATA, p.rows_on(s)) for s in range(ctx.num_servers)]
+            for server in list(pending):
+                parity, pver = self.read_versions(server, pb.PARITY, p.parity_rows_on(server))
+                index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
+                shards, locs, present = p.stripe_members(server, index)
+                members = torch.zeros(p.k, index.numel(), ctx.record_width)
+                mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
+                for s in shards.unique().tolist():
+                    sel = present & (shards == s)
+                    ri, sj = sel.nonzero(as_tuple=True)
+                    members[sj, ri] = data[s][0][locs[ri, sj]]
+                    mvers[ri, sj] = data[s][1][locs[ri, sj]].view(-1)
+                settled = (mvers == pver[index]).all(dim=1)
+                expected = code.encode(members)
+                got = parity[index]
+                if code.name == "xor":
+                    ok = (expected.view(torch.int32) == got.view(torch.int32)).all(dim=1)
+                else:
+                    ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)
+                stripes += int(settled.sum())
+                mismatches += int((settled & ~ok).sum())
+                if bool(settled.all()):
+                    del pending[server]
+                else:
+                    pending[server] = index[~settled]
+            if not pending:
+                break
+            time.sleep(0.05)
+        in_flight = sum(v.numel() for v in pending.values() if v is not None)
+        self.metrics.of(self.metrics.parity_checks, result="ok").inc(stripes - mismatches)
+        self.metrics.of(self.metrics.parity_checks, result="mismatch").inc(mismatches)
+        return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}
+
+
+class _AllOf:
+    """A future over several futures (the no-2PC path's rows and dense pushes)."""
+
+    def __init__(self, futs: list[grpc.Future]):
+        self.futs = futs
+        self._left = len(futs)
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+
+    def result(self):
+        return [f.result() for f in self.futs]
+
+    def add_done_callback(self, fn) -> None:
+        if not self.futs:
+            fn(self)
+            return
+        self._callbacks.append(fn)
+        for f in self.futs:
+            f.add_done_callback(self._one_done)
+
+    def _one_done(self, _f) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            for fn in self._callbacks:
+                fn(self)
+
+
+def evaluate(client: PSClient, batches: Iterable, device: str = "cpu") -> dict:
+    """AUC and log-loss of the model currently on the servers over `batches` (the held-out split)."""
+    from ecrec.model import load_dense_
+
+    ctx = client.ctx
+    model = ctx.model.build().to(device).eval()
+    load_dense_(model, client.pull_dense())
+    labels, probs = [], []
+    offsets = ctx.table_offsets
+    with torch.no_grad():
+        for b in batches:
+            g = (b.ids + offsets).reshape(-1)
+            uniq, inv = torch.unique(g, return_inverse=True)
+            rows = client.pull_rows(uniq)
+            sparse = rows[inv].view(b.ids.shape[0], b.ids.shape[1], ctx.dim).to(device)
+            logits = model(b.dense.to(device), sparse)
+            probs.append(torch.sigmoid(logits).cpu())
+            labels.append(b.labels)
+    y, p = torch.cat(labels), torch.cat(probs)
+    return {"auc": round(auc(y, p), 6), "logloss": round(logloss(y, p), 6), "samples": int(y.numel())}

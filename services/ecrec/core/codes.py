@@ -1,0 +1,104 @@
+"""Linear erasure codes over whole row records (float32 [n, W]), design notes §3.
+
+`xor` works on the int32 bit patterns: bit-exact, and deltas commute, so a parity server may apply them in any
+order. Its parity may hold NaN/Inf bit patterns; it is only ever moved and XORed as int32, never used in float
+arithmetic. `sum` is the paper's float32 sum code: inexact under rounding; kept to reproduce the paper and to
+measure its drift. Zero records encode to zero under both, so padding slots cost nothing.
+
+Pure tensor functions: no I/O, and they run on whatever device their inputs live on.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+
+class Code(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def encode(self, members: torch.Tensor) -> torch.Tensor:
+        """[m, n, W] -> parity [n, W]; padding slots are zero records (m = 0 gives zeros)."""
+
+    @abc.abstractmethod
+    def delta(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """What a data server sends its parity server after changing a record from `old` to `new`."""
+
+    @abc.abstractmethod
+    def apply_delta(self, parity: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The new parity; inputs are not mutated."""
+
+    @abc.abstractmethod
+    def decode(self, parity: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+        """The lost record from the parity and the other k-1 members [k-1, n, W] (padding as zeros)."""
+
+    @abc.abstractmethod
+    def apply_delta_(self, parity_table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> None:
+        """parity_table[index] ∘= delta in place. `index` must be unique: with duplicates, all but one
+        delta per row would be lost (callers merge deltas per row first)."""
+
+
+class XorCode(Code):
+    name = "xor"
+
+    @staticmethod
+    def _bits(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(torch.int32)
+
+    def _xor_all(self, members: torch.Tensor) -> torch.Tensor:
+        bits = self._bits(members)
+        out = torch.zeros(bits.shape[1:], dtype=torch.int32, device=bits.device)
+        for m in bits:  # m is small (k): the loop is over stripe slots, each step vectorized over rows
+            out ^= m
+        return out
+
+    def encode(self, members: torch.Tensor) -> torch.Tensor:
+        return self._xor_all(members).view(torch.float32)
+
+    def delta(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return (self._bits(old) ^ self._bits(new)).view(torch.float32)
+
+    def apply_delta(self, parity: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return (self._bits(parity) ^ self._bits(delta)).view(torch.float32)
+
+    def decode(self, parity: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+        return (self._bits(parity) ^ self._xor_all(others)).view(torch.float32)
+
+    def apply_delta_(self, parity_table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> None:
+        # Gather and scatter on the int32 view so NaN payloads are moved as bits, never as floats.
+        bits = parity_table.view(torch.int32)
+        bits[index] = bits[index] ^ self._bits(delta)
+
+
+class SumCode(Code):
+    name = "sum"
+
+    def encode(self, members: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(members.shape[1:], dtype=torch.float32, device=members.device)
+        for m in members:  # fixed slot order (not a tree reduction): the same rounding on every server
+            out = out + m
+        return out
+
+    def delta(self, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        return new - old
+
+    def apply_delta(self, parity: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return parity + delta
+
+    def decode(self, parity: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+        return parity - self.encode(others)
+
+    def apply_delta_(self, parity_table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> None:
+        parity_table.index_add_(0, index, delta)
+
+
+CODES: dict[str, type[Code]] = {"xor": XorCode, "sum": SumCode}
+
+
+def make_code(name: str) -> Code:
+    """The code called `name` ("xor" | "sum")."""
+    if name not in CODES:
+        raise ValueError(f"unknown code {name!r}; valid: {', '.join(CODES)}")
+    return CODES[name]()

@@ -1,0 +1,69 @@
+"""Recovery of a replaced server, as a plan of steps and the progress through it (no I/O).
+
+The coordinator walks the plan: copy the dense replicas, rebuild the data rows lock group by lock group, then
+re-encode the parity records the server holds. Each step is one `Recover` call on the replacement; the plan is
+data, so it can be printed, tested and shown by `GET /recoveries`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # "dense" | "data" | "parity"
+    start: int
+    count: int
+
+
+def plan_recovery(data_rows: int, parity_rows: int, lock_group_rows: int) -> list[Step]:
+    if lock_group_rows < 1:
+        raise ValueError("lock_group_rows must be >= 1")
+    steps = [Step("dense", 0, 0)]
+    steps += [
+        Step("data", lo, min(lock_group_rows, data_rows - lo)) for lo in range(0, data_rows, lock_group_rows)
+    ]
+    steps += [
+        Step("parity", lo, min(lock_group_rows, parity_rows - lo))
+        for lo in range(0, parity_rows, lock_group_rows)
+    ]
+    return steps
+
+
+@dataclass
+class RecoveryRecord:
+    """One failure of one shard, from kill (if known) to full recovery; times are wall-clock seconds."""
+
+    shard: int
+    killed_at: float | None = None
+    detected_at: float | None = None
+    continued_at: float | None = None
+    started_at: float | None = None
+    completed_at: float | None = None
+    rows_recovered: int = 0
+    parity_recovered: int = 0
+    steps_done: int = 0
+    steps_total: int = 0
+    state: str = "detected"  # detected | waiting | running | completed | failed
+    error: str | None = None
+    plan: list[Step] = field(default_factory=list)
+
+    def to_dict(self, t0: float | None) -> dict:
+        def rel(x: float | None) -> float | None:
+            return None if x is None or t0 is None else round(x - t0, 3)
+
+        return {
+            "shard": self.shard,
+            "state": self.state,
+            "killed_at": rel(self.killed_at),
+            "detected_at": rel(self.detected_at),
+            "continued_at": rel(self.continued_at),
+            "started_at": rel(self.started_at),
+            "completed_at": rel(self.completed_at),
+            "rows_recovered": self.rows_recovered,
+            "parity_recovered": self.parity_recovered,
+            "steps_done": self.steps_done,
+            "steps_total": self.steps_total,
+            "error": self.error,
+        }

@@ -1,0 +1,262 @@
+"""Two-phase commit participants of the update path, as state without I/O (docs/protocol.md).
+
+A *part* is the rows of one worker step on one data server. The data server stages the new records and sends
+the deltas to each row's parity server (`DeltaBatch`es the adapter delivers); on commit it forwards the commit
+to the parity servers, then applies the records and advances the rows' versions. Rows are staged by at most
+one transaction at a time (`RowLocks`), so deltas never chain on uncommitted values (invariant I3).
+
+`ParityParticipant` keeps staged deltas per (txn, source shard) and applies them on commit, remembering the
+version of each stripe member it reflects (`pver`), so readers can check that member records and a parity
+record form a consistent cut.
+
+Everything here is plain torch on tensors handed in by the caller; the caller holds the server's lock.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from ecrec.core.codes import Code
+from ecrec.core.optim import RowOptimizer
+from ecrec.core.placement import Placement
+
+
+class RowsBusy(Exception):
+    """Some requested rows are staged by another transaction (or locked for recovery): wait and retry."""
+
+
+class UnknownTxn(KeyError):
+    pass
+
+
+@dataclass
+class DeltaBatch:
+    """Deltas of one part for one parity server."""
+
+    parity_server: int
+    txn: str
+    src: int  # data shard whose rows changed
+    index: torch.Tensor  # parity indices [n]
+    slot: torch.Tensor  # stripe slot of each row [n]
+    delta: torch.Tensor  # [n, W]
+    version: torch.Tensor  # the rows' versions once committed [n]
+
+
+class RowLocks:
+    """Owner of each row of a row space (-1 = free). All-or-nothing acquisition, vectorized."""
+
+    FREE = -1
+
+    def __init__(self, num_rows: int):
+        self.owner = torch.full((num_rows,), self.FREE, dtype=torch.int64)
+        self._ids: dict[str, int] = {}
+        self._rows: dict[str, torch.Tensor] = {}
+        self._next = 0
+
+    def busy(self, rows: torch.Tensor, txn: str | None = None) -> bool:
+        owners = self.owner[rows]
+        mine = self._ids.get(txn, -2) if txn is not None else -2
+        return bool(((owners != self.FREE) & (owners != mine)).any())
+
+    def lock(self, txn: str, rows: torch.Tensor) -> None:
+        if self.busy(rows, txn):
+            raise RowsBusy(txn)
+        if txn not in self._ids:
+            self._ids[txn], self._next = self._next, self._next + 1
+            self._rows[txn] = rows.clone()
+        else:
+            self._rows[txn] = torch.cat([self._rows[txn], rows])
+        self.owner[rows] = self._ids[txn]
+
+    def unlock(self, txn: str) -> torch.Tensor:
+        rows = self._rows.pop(txn, None)
+        if rows is None:
+            return torch.empty(0, dtype=torch.int64)
+        self.owner[rows] = self.FREE
+        del self._ids[txn]
+        return rows
+
+    def holders(self) -> list[str]:
+        return list(self._ids)
+
+
+@dataclass
+class StagedPart:
+    txn: str
+    rows: torch.Tensor  # local rows
+    new: torch.Tensor  # staged records [n, W]
+    batches: list[DeltaBatch]
+    staged_at: float
+    parity_servers: tuple[int, ...] = ()
+
+
+@dataclass
+class DataParticipant:
+    """Phase 1 and 2 of the parts that update this data server's own rows."""
+
+    shard: int
+    placement: Placement
+    code: Code
+    optimizer: RowOptimizer
+    records: torch.Tensor  # [L, W] row records (owned by the server)
+    versions: torch.Tensor  # [L] int64
+    locks: RowLocks = field(init=False)
+    staged: dict[str, StagedPart] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.locks = RowLocks(self.records.shape[0])
+
+    def stage(self, txn: str, rows: torch.Tensor, grads: torch.Tensor, now: float) -> StagedPart:
+        """Stage new records for `rows` (unique local rows). Raises RowsBusy if another txn holds any."""
+        if txn in self.staged:
+            return self.staged[txn]  # a retried stage is answered with the same result
+        self.locks.lock(txn, rows)
+        old = self.records[rows]
+        new = self.optimizer.apply(old, grads)
+        batches = self.delta_batches(txn, rows, self.code.delta(old, new), self.versions[rows] + 1)
+        part = StagedPart(txn, rows, new, batches, now, tuple(b.parity_server for b in batches))
+        self.staged[txn] = part
+        return part
+
+    def delta_batches(
+        self, txn: str, rows: torch.Tensor, delta: torch.Tensor, version: torch.Tensor
+    ) -> list[DeltaBatch]:
+        p, out = self.placement, []
+        if p.r == 0:
+            return out
+        _sigma, slot = p.stripe_of(self.shard, rows)
+        for j in range(p.r):
+            for server, pos, index in p.group_by_parity(self.shard, rows, j):
+                out.append(DeltaBatch(server, txn, self.shard, index, slot[pos], delta[pos], version[pos]))
+        return out
+
+    def commit(self, txn: str) -> torch.Tensor:
+        """Apply a staged part (after its parity servers committed). Returns the rows it changed."""
+        part = self.staged.pop(txn, None)
+        if part is None:
+            raise UnknownTxn(txn)
+        self.records[part.rows] = part.new
+        self.versions[part.rows] += 1
+        self.locks.unlock(txn)
+        return part.rows
+
+    def abort(self, txn: str) -> StagedPart | None:
+        part = self.staged.pop(txn, None)
+        self.locks.unlock(txn)
+        return part
+
+    def expired(self, now: float, timeout: float) -> list[str]:
+        """Parts whose worker never committed (it died): the adapter aborts them."""
+        return [t for t, p in self.staged.items() if now - p.staged_at > timeout]
+
+
+@dataclass
+class ParityParticipant:
+    """The parity records this server holds, and the deltas staged for them."""
+
+    shard: int
+    placement: Placement
+    code: Code
+    parity: torch.Tensor  # [P, W]
+    pver: torch.Tensor  # [P, k] int64: member versions the parity reflects
+    ready: torch.Tensor | None = None  # [P] bool; False while a replacement has not rebuilt the record
+    staged: dict[tuple[str, int], list[DeltaBatch]] = field(default_factory=dict)
+    resolved: OrderedDict = field(default_factory=OrderedDict)
+    pending: list[DeltaBatch] = field(default_factory=list)  # committed before their record was rebuilt
+    max_resolved: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.ready is None:
+            self.ready = torch.ones(self.parity.shape[0], dtype=torch.bool)
+
+    def stage(self, batch: DeltaBatch) -> None:
+        """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
+        lost and the sender retried) replaces the first instead of being applied twice."""
+        key = (batch.txn, batch.src)
+        if key in self.resolved:
+            return  # a late duplicate of something already decided
+        self.staged[key] = [batch]
+
+    def staged_members(self, src: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(txn, parity index, slot) of deltas from `src` still undecided: those rows are busy."""
+        return [(t, b.index, b.slot) for (t, s), bs in self.staged.items() if s == src for b in bs]
+
+    def commit(self, txn: str, src: int) -> str:
+        """Apply the deltas of (txn, src). Idempotent: returns "committed" / "aborted" / "unknown"."""
+        key = (txn, src)
+        if key in self.resolved:
+            return self.resolved[key]
+        batches = self.staged.pop(key, None)
+        if batches is None:
+            return "unknown"
+        for b in batches:
+            self.apply(b)
+        self._resolve(key, "committed")
+        return "committed"
+
+    def abort(self, txn: str, src: int) -> str:
+        key = (txn, src)
+        if key in self.resolved:
+            return self.resolved[key]
+        self.staged.pop(key, None)
+        self._resolve(key, "aborted")
+        return "aborted"
+
+    def apply(self, b: DeltaBatch) -> None:
+        """Apply one delta batch to ready records now; keep the rest for after their rebuild."""
+        ready = self.ready[b.index]
+        if not bool(ready.all()):
+            keep = ~ready
+            self.pending.append(
+                DeltaBatch(
+                    b.parity_server, b.txn, b.src, b.index[keep], b.slot[keep], b.delta[keep], b.version[keep]
+                )
+            )
+            if not bool(ready.any()):
+                return
+            b = DeltaBatch(
+                b.parity_server, b.txn, b.src, b.index[ready], b.slot[ready], b.delta[ready], b.version[ready]
+            )
+        # Versions make application idempotent: a delta the record already reflects is not applied again.
+        newer = b.version > self.pver[b.index, b.slot]
+        if not bool(newer.all()):
+            b = DeltaBatch(
+                b.parity_server, b.txn, b.src, b.index[newer], b.slot[newer], b.delta[newer], b.version[newer]
+            )
+        self.code.apply_delta_(self.parity, b.index, b.delta)
+        self.pver[b.index, b.slot] = b.version
+
+    def install(self, index: torch.Tensor, records: torch.Tensor, versions: torch.Tensor) -> None:
+        """Install rebuilt parity records; replay kept deltas newer than what the rebuild reflects."""
+        self.parity[index] = records
+        self.pver[index] = versions
+        self.ready[index] = True
+        still = []
+        for b in self.pending:
+            now_ready = self.ready[b.index]
+            newer = now_ready & (b.version > self.pver[b.index, b.slot])
+            if bool(newer.any()):
+                self.code.apply_delta_(self.parity, b.index[newer], b.delta[newer])
+                self.pver[b.index[newer], b.slot[newer]] = b.version[newer]
+            if not bool(now_ready.all()):
+                keep = ~now_ready
+                still.append(
+                    DeltaBatch(
+                        b.parity_server,
+                        b.txn,
+                        b.src,
+                        b.index[keep],
+                        b.slot[keep],
+                        b.delta[keep],
+                        b.version[keep],
+                    )
+                )
+        self.pending = still
+
+    def _resolve(self, key: tuple[str, int], outcome: str) -> None:
+        self.resolved[key] = outcome
+        while len(self.resolved) > self.max_resolved:
+            self.resolved.popitem(last=False)

@@ -1,0 +1,64 @@
+"""Fault points: SIGKILL this process at a named step of the update or recovery protocol (invariant I4).
+
+Set `ECREC_FAULT_POINT="<process>:<point>[@n]"`, e.g. `server-1:commit:after_forward@20`, to kill the process
+named `<process>` (server-<shard>, worker-<rank>) the n-th time (default 1st) it reaches `<point>`. With
+`ECREC_FAULT_ONCE=<file>` the kill happens once per job: the first process to fire creates the file, so a
+respawned replacement does not kill itself again. Unset, a fault point costs one dict lookup.
+
+Points (docs/protocol.md): stage:after_local, stage:after_deltas, commit:after_forward, commit:after_apply,
+delta:after_stage, decide:after_apply, acting:after_stage, recover:mid_group, recover:after_group,
+worker:before_commit, worker:mid_commit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "stage:after_local",
+    "stage:after_deltas",
+    "commit:after_forward",
+    "commit:after_apply",
+    "delta:after_stage",
+    "decide:after_apply",
+    "acting:after_stage",
+    "recover:mid_group",
+    "recover:after_group",
+    "worker:before_commit",
+    "worker:mid_commit",
+)
+
+_process = ""
+_target: tuple[str, str, int] | None = None
+_hits = 0
+
+
+def configure(process: str) -> None:
+    """Name this process (server-1, worker-0) and read ECREC_FAULT_POINT."""
+    global _process, _target, _hits
+    _process, _target, _hits = process, None, 0
+    spec = os.environ.get("ECREC_FAULT_POINT", "")
+    if not spec:
+        return
+    who, _, rest = spec.partition(":")
+    point, _, n = rest.partition("@")
+    if point not in POINTS:
+        raise ValueError(f"ECREC_FAULT_POINT: unknown point {point!r}; valid: {', '.join(POINTS)}")
+    _target = (who, point, int(n or 1))
+
+
+def fault_point(point: str) -> None:
+    global _hits
+    if _target is None or _target[1] != point or _target[0] != _process:
+        return
+    _hits += 1
+    if _hits != _target[2]:
+        return
+    once = os.environ.get("ECREC_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)

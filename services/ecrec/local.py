@@ -1,0 +1,399 @@
+"""`ecrec local`: run a job as real processes on 127.0.0.1 — coordinator, servers, workers.
+
+The launcher is the local twin of the Kubernetes operator: it starts the processes, waits for readiness,
+watches them, shows progress, evaluates the model and writes the report. Whatever happens (a failed start,
+Ctrl-C, an exception), every child is terminated: children run in their own session (so a terminal's Ctrl-C
+reaches only the launcher, which then stops them in order) and die with the launcher through
+PR_SET_PDEATHSIG even if the launcher is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from ecrec.jobctx import JobContext
+
+PR_SET_PDEATHSIG = 1
+
+
+class JobFailed(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """The processes of one local job."""
+
+    ctx: JobContext
+    out_dir: Path
+    children: dict[str, Child] = field(default_factory=dict)
+    coordinator_url: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    lost_workers: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "logs").mkdir(exist_ok=True)
+        self.job_file = self.out_dir / "job.json"
+        self.job_file.write_text(self.ctx.to_json())
+        self.http = httpx.Client(timeout=10.0)
+
+    # -- processes -------------------------------------------------------------------------------------
+    def spawn(self, name: str, module: str, *args: str) -> Child:
+        child = Child(name, [sys.executable, "-m", module, *args], self.out_dir / "logs" / f"{name}.log")
+        with open(child.log_path, "ab") as log:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            )
+        self.children[name] = child
+        return child
+
+    def spawn_server(self, shard: int, replacement: bool = False) -> Child:
+        extra = ["--replacement"] if replacement else []
+        return self.spawn(
+            f"server-{shard}",
+            "ecrec.server",
+            "--job",
+            str(self.job_file),
+            "--shard",
+            str(shard),
+            "--coordinator",
+            self.coordinator_url,
+            *extra,
+        )
+
+    def post(self, path: str, body: dict) -> dict:
+        r = self.http.post(f"{self.coordinator_url}{path}", json=body)
+        r.raise_for_status()
+        return r.json()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        child = self.children[name]
+        if child.alive:
+            child.proc.send_signal(sig)
+            child.proc.wait()
+
+    def shutdown(self, grace: float = 5.0) -> None:
+        """Stop workers, then servers, then the coordinator: SIGTERM, then SIGKILL after `grace` seconds."""
+        order = sorted(
+            self.children.values(),
+            key=lambda c: (c.name.startswith("coordinator"), c.name.startswith("server")),
+        )
+        for c in order:
+            if c.alive:
+                c.proc.terminate()
+        deadline = time.monotonic() + grace
+        for c in order:
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        self.http.close()
+
+    # -- readiness -------------------------------------------------------------------------------------
+    def get(self, path: str) -> dict:
+        r = self.http.get(f"{self.coordinator_url}{path}")
+        r.raise_for_status()
+        return r.json()
+
+    def _wait(self, what: str, ready, timeout: float, watch: list[Child]) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for c in watch:
+                if c.proc is not None and c.proc.poll() is not None:
+                    raise JobFailed(
+                        f"{c.name} exited with code {c.proc.returncode} while waiting for {what}:\n"
+                        f"{c.log_tail()}"
+                    )
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise JobFailed(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def start(self, timeout: float = 120.0) -> None:
+        port = free_port()
+        self.coordinator_url = f"http://127.0.0.1:{port}"
+        coord = self.spawn(
+            "coordinator", "ecrec.coordinator", "--job", str(self.job_file), "--port", str(port)
+        )
+        self._wait("the coordinator", lambda: self.get("/healthz")["ok"], timeout, [coord])
+        (self.out_dir / "coordinator.url").write_text(self.coordinator_url)
+        servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
+        self._wait("servers to register", lambda: self.get("/cluster")["ready"], timeout, [coord, *servers])
+        for rank in range(self.ctx.spec.workers.replicas):
+            self.spawn(
+                f"worker-{rank}",
+                "ecrec.worker",
+                "--job",
+                str(self.job_file),
+                "--rank",
+                str(rank),
+                "--coordinator",
+                self.coordinator_url,
+            )
+
+
+def machine_description() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+class Supervisor:
+    """The local twin of the operator: kills servers on schedule (chaos), respawns dead ones under the same
+    shard id as empty replacements, and asks the coordinator to recover them."""
+
+    def __init__(self, kills: list[tuple[int, float]] = (), chaos: int = 0, seed: int = 0):
+        import random
+
+        self.kills = sorted(kills, key=lambda k: k[1])
+        self.chaos_left = chaos
+        self.rng = random.Random(seed)
+        self.next_chaos: tuple[int, float] | None = None
+        self.respawns = 0
+
+    def tick(self, cluster: LocalCluster, status: dict) -> None:
+        if status.get("startedAt") is None or status["phase"] in ("Succeeded", "Failed"):
+            return
+        t = time.time() - status["startedAt"]
+        n = cluster.ctx.num_servers
+        if self.chaos_left and self.next_chaos is None and _all_recovered(status):
+            self.next_chaos = (self.rng.randrange(n), t + self.rng.uniform(1.0, 4.0))
+        due = [k for k in self.kills if k[1] <= t]
+        if self.next_chaos is not None and self.next_chaos[1] <= t:
+            due.append(self.next_chaos)
+            self.next_chaos = None
+            self.chaos_left -= 1
+        for shard, _at in due:
+            if (shard, _at) in self.kills:
+                self.kills.remove((shard, _at))
+            name = f"server-{shard}"
+            if cluster.children[name].alive:
+                cluster.kill(name)
+                cluster.post("/v1/events", {"kind": "server_killed", "shard": shard, "at": time.time()})
+        self.respawn_dead(cluster)
+
+    def respawn_dead(self, cluster: LocalCluster) -> None:
+        """Start an empty replacement for every dead server and ask the coordinator to rebuild it."""
+        if not cluster.ctx.ecrec:
+            return
+        for shard in range(cluster.ctx.num_servers):
+            if not cluster.children[f"server-{shard}"].alive:
+                cluster.spawn_server(shard, replacement=True)
+                self.respawns += 1
+                cluster.post("/recoveries", {"shard": shard})
+
+
+def _all_recovered(status: dict) -> bool:
+    return all(s["state"] == "up" for s in status["cluster"]["shards"])
+
+
+def run_local(
+    ctx: JobContext,
+    out_dir: Path,
+    *,
+    progress: bool = True,
+    start_timeout: float = 120.0,
+    kills: list[tuple[int, float]] = (),
+    chaos: int = 0,
+    seed: int = 0,
+    fault: str | None = None,
+    on_tick=None,
+) -> dict:
+    """Run the job to completion and return the report. Raises JobFailed (after cleaning up) on failure.
+
+    `fault` is an ECREC_FAULT_POINT spec (see ecrec.faults) fired once in this job."""
+    from ecrec.client import PSClient, evaluate
+    from ecrec.worker import data_source
+
+    cluster = LocalCluster(ctx, out_dir)
+    fired = out_dir / "fault.fired"
+    if fault:
+        fired.unlink(missing_ok=True)
+        cluster.env.update({"ECREC_FAULT_POINT": fault, "ECREC_FAULT_ONCE": str(fired)})
+    spec = ctx.spec
+    total = spec.training.steps * spec.workers.replicas * spec.training.batch_size
+    supervisor = Supervisor(kills, chaos, seed)
+
+    def tick(cl: LocalCluster, status: dict) -> None:
+        supervisor.tick(cl, status)
+        if on_tick is not None:
+            on_tick(cl, status)
+
+    extra: dict = {}
+    try:
+        cluster.start(timeout=start_timeout)
+        status = _watch(cluster, total, progress, tick)
+        if ctx.ecrec:
+            _wait_recovered(cluster, supervisor)
+        client = PSClient(ctx, cluster.get("/cluster"))
+        try:
+            ev = evaluate(client, data_source(ctx).eval_batches(4096))
+            digest = client.params_sha256()
+            if ctx.ecrec:
+                extra["parity_check"] = client.parity_check()
+                extra["staged_after"] = sum(client.staged_counts())
+                extra["dense_replica_mismatches"] = client.dense_replica_mismatches()
+        finally:
+            client.close()
+        status = cluster.get("/v1/status")
+    finally:
+        cluster.shutdown()
+    if ctx.ecrec:
+        extra["recoveries"] = [
+            {
+                k: r[k]
+                for k in (
+                    "shard",
+                    "killed_at",
+                    "detected_at",
+                    "continued_at",
+                    "completed_at",
+                    "rows_recovered",
+                )
+            }
+            for r in status["recoveries"]
+        ]
+        extra["replacements"] = supervisor.respawns
+    if fault:
+        extra["fault"] = {"point": fault, "fired": fired.exists()}
+    return {
+        **extra,
+        "job": ctx.name,
+        "samples_per_s": status["meanSamplesPerSecond"],
+        "samples": status["samples"],
+        "elapsed_s": status["elapsedSeconds"],
+        "throughput_series": status["throughputSeries"],
+        "eval": {"auc": ev["auc"], "logloss": ev["logloss"], "samples": ev["samples"]},
+        "params_sha256": digest,
+        "events": [{k: v for k, v in e.items() if k != "wall"} for e in status["events"]],
+        "spec": spec.to_dict(),
+        "machine": machine_description(),
+        "logs": str(out_dir / "logs"),
+    }
+
+
+def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: float = 300.0) -> None:
+    """Training may end before a recovery does: the report's checks need every shard rebuilt."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        status = cluster.get("/v1/status")
+        if _all_recovered(status) and all(r["state"] == "completed" for r in status["recoveries"]):
+            return
+        supervisor.respawn_dead(cluster)  # a replacement may die after training ended
+        time.sleep(0.2)
+    raise JobFailed("timed out waiting for recoveries to complete after training")
+
+
+def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:>9} samples/s  {task.fields[phase]}"),
+        TimeElapsedColumn(),
+        disable=not progress,
+        transient=False,
+    )
+    with bar:
+        task = bar.add_task("training", total=total_samples, rate="-", phase="Pending")
+        while True:
+            status = cluster.get("/v1/status")
+            bar.update(
+                task,
+                completed=status["samples"],
+                rate=f"{status['samplesPerSecond']:.0f}",
+                phase=status["phase"],
+            )
+            if on_tick is not None:
+                on_tick(cluster, status)
+            if status["phase"] == "Succeeded":
+                return status
+            if status["phase"] == "Failed":
+                raise JobFailed(f"job failed: {status['reason']}")
+            for c in cluster.children.values():
+                code = c.proc.poll()
+                if c.name.startswith("worker") and code is not None and code < 0 and cluster.ctx.ecrec:
+                    # Killed (chaos, a fault point): the job goes on with the other workers.
+                    if c.name not in cluster.lost_workers:
+                        cluster.lost_workers.add(c.name)
+                        cluster.post("/v1/workers/lost", {"rank": int(c.name.split("-")[1])})
+                elif c.name.startswith("worker") and code not in (None, 0):
+                    raise JobFailed(f"{c.name} exited with code {c.proc.returncode}:\n{c.log_tail()}")
+                if c.name == "coordinator" and not c.alive:
+                    raise JobFailed(f"the coordinator exited with code {c.proc.returncode}:\n{c.log_tail()}")
+                if c.name.startswith("server") and not c.alive and not cluster.ctx.ecrec:
+                    raise JobFailed(
+                        f"{c.name} exited with code {c.proc.returncode} and strategy 'none' cannot "
+                        f"recover it:\n{c.log_tail()}"
+                    )
+            time.sleep(0.25)
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))

@@ -1,0 +1,567 @@
+"""A parameter server process: a `ShardStore` served over gRPC, registered with the coordinator.
+
+`ParameterServicer` is the thin adapter: it decodes raw-byte tensors, checks epochs, maps errors to status
+codes (bad input -> INVALID_ARGUMENT, stale map -> FAILED_PRECONDITION, busy rows -> ABORTED), and records
+metrics. `GrpcPeers` is the store's window on the other servers; `ClusterView` keeps this process's copy of
+the cluster map, refreshed from the coordinator's heartbeat answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import torch
+
+from ecrec import faults
+from ecrec.core.txn import DeltaBatch, RowsBusy
+from ecrec.jobctx import JobContext
+from ecrec.metrics import Metrics
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.wire import InvalidRequest, bytes_to_floats, bytes_to_ids, floats_to_bytes, ids_to_bytes
+
+log = logging.getLogger("ecrec.server")
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 512 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 512 * 1024 * 1024),
+]
+KIND_NAMES = {pb.DATA: "data", pb.PARITY: "parity", pb.DENSE: "dense"}
+
+
+class StaleEpoch(Exception):
+    pass
+
+
+class ClusterView:
+    """This process's copy of the cluster map (addresses and states by shard id)."""
+
+    def __init__(self, coordinator: str = "", snapshot: dict | None = None):
+        self.url = coordinator.rstrip("/")
+        self.lock = threading.Lock()
+        self.snapshot = snapshot or {"epoch": 0, "shards": []}
+        self.http = httpx.Client(timeout=5.0) if coordinator else None
+
+    @property
+    def epoch(self) -> int:
+        return int(self.snapshot["epoch"])
+
+    def update(self, snapshot: dict) -> bool:
+        with self.lock:
+            if int(snapshot["epoch"]) >= self.epoch:
+                self.snapshot = snapshot
+                return True
+            return False
+
+    def refresh(self) -> None:
+        if self.http is not None:
+            self.update(self.http.get(f"{self.url}/cluster").json())
+
+    def shard(self, s: int) -> dict:
+        with self.lock:
+            return self.snapshot["shards"][s]
+
+    def address(self, s: int) -> str:
+        return self.shard(s)["address"]
+
+    def is_failed(self, s: int) -> bool:
+        return self.shard(s)["state"] == "failed"
+
+    def confirm_failed(self, s: int, reporter: str) -> bool:
+        """Ask the coordinator to confirm (probe) a peer we could not reach; True if it is failed."""
+        if self.http is None:
+            return True
+        try:
+            r = self.http.post(
+                f"{self.url}/v1/failures", json={"shard": s, "reporter": reporter}, timeout=10.0
+            )
+            self.update(r.json()["cluster"])
+        except httpx.HTTPError:
+            time.sleep(0.2)
+        return self.is_failed(s)
+
+
+class GrpcPeers:
+    """`Peers` over gRPC, fanning requests to several servers out as futures."""
+
+    def __init__(self, view: ClusterView, me: int, metrics: Metrics, timeout: float = 10.0):
+        self.view, self.me, self.metrics, self.timeout = view, me, metrics, timeout
+        self._stubs: dict[str, pb_grpc.ParameterServerStub] = {}
+        self._lock = threading.Lock()
+
+    def stub(self, server: int) -> pb_grpc.ParameterServerStub:
+        addr = self.view.address(server)
+        with self._lock:
+            if addr not in self._stubs:
+                self._stubs[addr] = pb_grpc.ParameterServerStub(
+                    grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+                )
+            return self._stubs[addr]
+
+    def _gather(self, calls: list[tuple[int, grpc.Future]]) -> dict[int, Exception | None]:
+        out: dict[int, Exception | None] = {}
+        for server, fut in calls:
+            try:
+                fut.result()
+                out.setdefault(server, None)
+            except grpc.RpcError as e:
+                out[server] = PeerFailed(server, f"{e.code().name}: {e.details()}")
+        return out
+
+    def deltas(self, batches: list[DeltaBatch], immediate: bool, epoch: int) -> dict[int, Exception | None]:
+        calls = []
+        for b in batches:
+            payload = floats_to_bytes(b.delta)
+            self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(payload))
+            req = pb.DeltaRequest(
+                epoch=epoch,
+                txn=b.txn,
+                src=b.src,
+                index=ids_to_bytes(b.index),
+                slot=ids_to_bytes(b.slot),
+                delta=payload,
+                version=ids_to_bytes(b.version),
+                immediate=immediate,
+            )
+            calls.append(
+                (b.parity_server, self.stub(b.parity_server).Delta.future(req, timeout=self.timeout))
+            )
+        return self._gather(calls)
+
+    def decide(self, servers: list[int], txn: str, src: int, commit: bool, epoch: int) -> dict:
+        req = pb.DeltaDecision(epoch=epoch, txn=txn, src=src, commit=commit)
+        return self._gather(
+            [(s, self.stub(s).DecideDeltas.future(req, timeout=self.timeout)) for s in servers]
+        )
+
+    def read_rows(self, requests, epoch: int) -> list[ReadResult]:
+        calls = []
+        for server, kind, index, src in requests:
+            req = pb.ReadRowsRequest(
+                epoch=epoch,
+                kind=pb.PARITY if kind == "parity" else pb.DATA,
+                index=ids_to_bytes(index),
+                src=src,
+            )
+            calls.append((server, kind, index.numel(), self.stub(server).ReadRows.future(req, timeout=60.0)))
+        out = []
+        for server, kind, n, fut in calls:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as e:
+                raise PeerFailed(server, f"{e.code().name}: {e.details()}") from e
+            self.metrics.of(self.metrics.bytes_sent, kind="recovery").inc(len(resp.records))
+            recs = bytes_to_floats(resp.records, n, len(resp.records) // (4 * n) if n else 0).clone()
+            vers = (
+                torch.frombuffer(resp.versions, dtype=torch.int64).clone()
+                if n
+                else torch.empty(0, dtype=torch.int64)
+            )
+            ready = None
+            if kind == "parity":
+                vers = vers.view(n, -1)
+                ready = (
+                    torch.frombuffer(resp.ready, dtype=torch.bool).clone()
+                    if n
+                    else torch.empty(0, dtype=torch.bool)
+                )
+            out.append(ReadResult(recs, vers, ready))
+        return out
+
+    def dense_copy(self, server: int, chunk: int, epoch: int):
+        try:
+            resp = self.stub(server).CopyDense(pb.CopyDenseRequest(epoch=epoch, chunk=chunk), timeout=60.0)
+        except grpc.RpcError as e:
+            raise PeerFailed(server, f"{e.code().name}: {e.details()}") from e
+        recs = bytes_to_floats(resp.records, resp.count, resp.width).clone()
+        return recs, list(resp.txns)
+
+    def confirm_failed(self, server: int) -> bool:
+        return self.view.confirm_failed(server, reporter=f"server-{self.me}")
+
+    def is_failed(self, server: int) -> bool:
+        return self.view.is_failed(server)
+
+    def failure_key(self, server: int) -> int:
+        """Which failure of `server` this is: its incarnation, bumped by every replacement."""
+        return int(self.view.shard(server).get("incarnation", 0))
+
+
+def rpc(method: str, check_epoch: bool = True):
+    """Servicer method wrapper: epoch check, error mapping and latency metric in one place."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self: ParameterServicer, request, context: grpc.ServicerContext):
+            m = self.metrics
+            with m.timed(method):
+                try:
+                    self.observe_epoch(getattr(request, "epoch", 0), check_epoch)
+                    return fn(self, request, context)
+                except InvalidRequest as e:
+                    code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
+                except (StaleEpoch, NotOwner) as e:
+                    code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
+                except (Busy, RowsBusy) as e:
+                    code, msg = grpc.StatusCode.ABORTED, f"busy: {e}"
+                except PeerFailed as e:
+                    code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
+                m.of(m.rpc_errors, method=method, code=code.name).inc()
+                context.abort(code, msg)
+
+        return wrapper
+
+    return deco
+
+
+class ParameterServicer(pb_grpc.ParameterServerServicer):
+    def __init__(self, store: ShardStore, metrics: Metrics, view: ClusterView | None = None, epoch: int = 1):
+        self.store, self.metrics = store, metrics
+        self.view = view or ClusterView()
+        self.store.epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.store.epoch
+
+    def observe_epoch(self, epoch: int, check: bool) -> None:
+        # 0 means "no epoch" (proto3 default): tools and tests that do not track the map.
+        if not epoch:
+            return
+        if check and epoch < self.store.epoch:
+            raise StaleEpoch(f"stale epoch {epoch}: the cluster map is at epoch {self.store.epoch}")
+        if epoch > self.store.epoch:
+            self.store.epoch = epoch
+            if epoch > self.view.epoch:  # someone knows a newer map: fetch it before acting on it
+                try:
+                    self.view.refresh()
+                except httpx.HTTPError:
+                    pass
+
+    # -- foundation path -------------------------------------------------------------------------------
+    @rpc("Pull")
+    def Pull(self, request, context):
+        g = bytes_to_ids(request.ids)
+        payload = floats_to_bytes(self.store.pull(g))
+        m = self.metrics
+        m.of(m.rows, kind="pull").inc(g.numel())
+        m.of(m.bytes_sent, kind="pull").inc(len(payload))
+        return pb.PullResponse(rows=payload)
+
+    @rpc("Push")
+    def Push(self, request, context):
+        g = bytes_to_ids(request.ids)
+        grads = bytes_to_floats(request.grads, g.numel(), self.store.dim, "grads")
+        n = self.store.push(g, grads, request.txn)
+        self.metrics.of(self.metrics.rows, kind="push").inc(n)
+        return pb.PushResponse(applied=n)
+
+    @rpc("PullDense")
+    def PullDense(self, request, context):
+        payload = floats_to_bytes(self.store.pull_dense(request.chunk))
+        self.metrics.of(self.metrics.bytes_sent, kind="dense").inc(len(payload))
+        return pb.DensePullResponse(values=payload)
+
+    @rpc("PushDense")
+    def PushDense(self, request, context):
+        n = self.store.chunk_len(request.chunk)
+        self.store.push_dense(request.chunk, bytes_to_floats(request.grads, n, 1, "grads"))
+        return pb.DensePushResponse()
+
+    @rpc("ReadRecords", check_epoch=False)
+    def ReadRecords(self, request, context):
+        if request.kind not in KIND_NAMES:
+            raise InvalidRequest(f"kind: unknown record kind {request.kind}")
+        recs = self.store.read(KIND_NAMES[request.kind], request.start, request.count, request.chunk)
+        payload = floats_to_bytes(recs)
+        return pb.ReadRecordsResponse(records=payload, width=recs.shape[1], count=recs.shape[0])
+
+    def Info(self, request, context):
+        s = self.store
+        return pb.InfoResponse(
+            shard=s.shard,
+            epoch=s.epoch,
+            data_rows=s.num_rows,
+            parity_rows=s.parity.parity.shape[0],
+            record_width=s.ctx.record_width,
+            dense_chunks=sorted(s.dense),
+            state="recovering" if s.replacement and not s.recovery_done() else "up",
+            strategy=s.ctx.spec.fault_tolerance.strategy,
+            staged=s.staged_count(),
+        )
+
+    # -- ECRec -----------------------------------------------------------------------------------------
+    @rpc("Stage")
+    def Stage(self, request, context):
+        g = bytes_to_ids(request.ids)
+        grads = bytes_to_floats(request.grads, g.numel(), self.store.dim, "grads")
+        if len(request.dense_chunks) != len(request.dense_grads):
+            raise InvalidRequest("dense_chunks and dense_grads differ in length")
+        dense = {}
+        for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
+            dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
+        n = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch)
+        self.metrics.of(self.metrics.rows, kind="stage").inc(n)
+        return pb.StageResponse(staged=n)
+
+    @rpc("Commit", check_epoch=False)
+    def Commit(self, request, context):
+        return pb.TxnResponse(outcome=self.store.commit(request.txn))
+
+    @rpc("Abort", check_epoch=False)
+    def Abort(self, request, context):
+        return pb.TxnResponse(outcome=self.store.abort(request.txn))
+
+    @rpc("Delta", check_epoch=False)
+    def Delta(self, request, context):
+        index, slot, version = (
+            bytes_to_ids(request.index),
+            bytes_to_ids(request.slot),
+            bytes_to_ids(request.version),
+        )
+        n = index.numel()
+        if slot.numel() != n or version.numel() != n:
+            raise InvalidRequest("index, slot and version differ in length")
+        delta = bytes_to_floats(request.delta, n, self.store.ctx.record_width, "delta").clone()
+        if n and (int(index.min()) < 0 or int(index.max()) >= self.store.parity.parity.shape[0]):
+            raise InvalidRequest("index: parity indices out of range")
+        if n and (int(slot.min()) < 0 or int(slot.max()) >= self.store.placement.k):
+            raise InvalidRequest("slot: out of range")
+        batch = DeltaBatch(
+            self.store.shard, request.txn, request.src, index.clone(), slot.clone(), delta, version.clone()
+        )
+        self.store.receive_deltas(batch, request.immediate)
+        return pb.TxnResponse(outcome="staged" if not request.immediate else "applied")
+
+    @rpc("DecideDeltas", check_epoch=False)
+    def DecideDeltas(self, request, context):
+        return pb.TxnResponse(outcome=self.store.decide_deltas(request.txn, request.src, request.commit))
+
+    @rpc("ReadRows", check_epoch=False)
+    def ReadRows(self, request, context):
+        if request.kind not in (pb.DATA, pb.PARITY):
+            raise InvalidRequest("kind: ReadRows reads DATA or PARITY records")
+        index = bytes_to_ids(request.index, "index")
+        res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src)
+        resp = pb.ReadRowsResponse(records=floats_to_bytes(res.records), versions=ids_to_bytes(res.versions))
+        if res.ready is not None:
+            resp.ready = res.ready.to(torch.uint8).numpy().tobytes()
+        return resp
+
+    @rpc("DegradedPull")
+    def DegradedPull(self, request, context):
+        g = bytes_to_ids(request.ids)
+        rows = self.store.degraded_pull(request.src, g)
+        m = self.metrics
+        m.of(m.degraded_reads).inc(g.numel())
+        return pb.PullResponse(rows=floats_to_bytes(rows))
+
+    @rpc("Recover", check_epoch=False)
+    def Recover(self, request, context):
+        start = time.perf_counter()
+        s = self.store
+        if request.kind == pb.DATA:
+            end = min(s.num_rows, request.start + request.count)
+            n = (
+                s.rebuild_rows(torch.arange(request.start, end, dtype=torch.int64))
+                if end > request.start
+                else 0
+            )
+            self.metrics.of(self.metrics.rows_recovered).inc(n)
+        elif request.kind == pb.PARITY:
+            end = min(s.parity.parity.shape[0], request.start + request.count)
+            n = (
+                s.rebuild_parity(torch.arange(request.start, end, dtype=torch.int64))
+                if end > request.start
+                else 0
+            )
+        else:
+            n = s.copy_dense()
+        return pb.RecoverResponse(rows=n, seconds=time.perf_counter() - start)
+
+    @rpc("CopyDense", check_epoch=False)
+    def CopyDense(self, request, context):
+        recs, txns = self.store.serve_dense_copy(request.chunk, request.epoch)
+        return pb.CopyDenseResponse(
+            records=floats_to_bytes(recs), width=recs.shape[1], count=recs.shape[0], txns=txns
+        )
+
+
+class StoreCollector:
+    """Exposes the store's own counters (rows queued behind a lock, degraded rows, rows rebuilt) at scrape time."""
+
+    def __init__(self, store: ShardStore, labels: dict[str, str]):
+        self.store, self.labels = store, labels
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        names = list(self.labels)
+        values = [self.labels[n] for n in names]
+        for key, name, doc in (
+            ("buffered", "ecrec_server_buffered_updates", "Requests that waited for busy or locked rows"),
+            ("degraded_rows", "ecrec_server_degraded_rows", "Rows served or written for a failed shard"),
+            ("rows_recovered", "ecrec_server_rows_rebuilt", "Rows this replacement rebuilt"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, self.store.stats[key])
+            yield c
+        g = GaugeMetricFamily("ecrec_server_staged", "Undecided 2PC state on this server", labels=names)
+        g.add_metric(values, self.store.staged_count())
+        yield g
+
+
+def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 32) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS)
+    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {bind}")
+    server.start()
+    return server, port
+
+
+class CoordinatorLink:
+    """Registration and heartbeats of one server; exits the process if the coordinator disowns it."""
+
+    def __init__(self, url: str, shard: int, address: str, metrics_url: str, interval: float):
+        self.url, self.shard, self.address, self.metrics_url = url.rstrip("/"), shard, address, metrics_url
+        self.interval = interval
+        self.http = httpx.Client(timeout=5.0)
+
+    def register(self, replacement: bool, deadline_s: float = 60.0) -> dict:
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                r = self.http.post(
+                    f"{self.url}/v1/servers/register",
+                    json={
+                        "shard": self.shard,
+                        "address": self.address,
+                        "metricsUrl": self.metrics_url,
+                        "replacement": replacement,
+                    },
+                )
+                r.raise_for_status()
+                return r.json()
+            except httpx.HTTPError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+
+    def heartbeat_forever(self, servicer: ParameterServicer, stop: threading.Event) -> None:
+        store = servicer.store
+        while not stop.wait(self.interval):
+            try:
+                r = self.http.post(
+                    f"{self.url}/v1/servers/heartbeat",
+                    json={
+                        "shard": self.shard,
+                        "address": self.address,
+                        "epoch": store.epoch,
+                        "recovered": store.replacement and store.recovery_done(),
+                    },
+                )
+                r.raise_for_status()
+                body = r.json()
+            except httpx.HTTPError as e:
+                log.warning("heartbeat failed: %s", e)
+                continue
+            if not body["ok"]:
+                log.error("the coordinator no longer lists this process as shard %d; exiting", self.shard)
+                stop.set()
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            servicer.view.update(body["cluster"])
+            store.epoch = max(store.epoch, int(body["epoch"]))
+            servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
+            try:
+                store.expire()
+            except Exception:  # noqa: BLE001 - an abort that cannot reach a peer is retried next beat
+                log.exception("expiring stale transactions failed")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ecrec-server")
+    ap.add_argument("--job", required=True, help="job JSON file ({name, spec})")
+    ap.add_argument("--shard", type=int, required=True)
+    ap.add_argument("--coordinator", default="", help="coordinator base URL")
+    ap.add_argument("--standalone", action="store_true", help="serve without a coordinator (benchmarks)")
+    ap.add_argument(
+        "--replacement",
+        action="store_true",
+        help="start empty and be rebuilt by recovery (set by the supervisor / operator)",
+    )
+    ap.add_argument("--bind", default="127.0.0.1:0", help="gRPC bind address (port 0 picks one)")
+    ap.add_argument("--advertise", default="", help="address clients should dial (default: the bind address)")
+    ap.add_argument("--metrics-port", type=int, default=0)
+    ap.add_argument("--metrics-addr", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s server-{args.shard} %(levelname)s %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    faults.configure(f"server-{args.shard}")
+    ctx = JobContext.from_file(args.job)
+    torch.set_num_threads(ctx.spec.servers.threads)
+    t0 = time.perf_counter()
+    metrics = Metrics(ctx.name, "server", str(args.shard))
+    view = ClusterView(args.coordinator if not args.standalone else "")
+    peers = GrpcPeers(view, args.shard, metrics)
+    ec = ctx.spec.fault_tolerance.ecrec
+    store = ShardStore(
+        ctx, args.shard, peers, replacement=args.replacement, txn_timeout=ec.txn_timeout_seconds
+    )
+    metrics.registry.register(StoreCollector(store, metrics.labels))
+    metrics_port = metrics.serve(args.metrics_port, args.metrics_addr)
+    servicer = ParameterServicer(store, metrics, view)
+    server, port = start_grpc(servicer, args.bind)
+    host = args.bind.rsplit(":", 1)[0]
+    address = args.advertise or f"{host}:{port}"
+    log.info(
+        "shard %d%s: %d rows + %d parity records x %d floats ready in %.2fs, serving on %s",
+        args.shard,
+        " (replacement, empty)" if args.replacement else "",
+        store.num_rows,
+        store.parity.parity.shape[0],
+        ctx.record_width,
+        time.perf_counter() - t0,
+        address,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if not args.standalone:
+        if not args.coordinator:
+            ap.error("--coordinator is required unless --standalone")
+        metrics_url = f"http://{args.metrics_addr}:{metrics_port}/metrics"
+        link = CoordinatorLink(
+            args.coordinator,
+            args.shard,
+            address,
+            metrics_url,
+            ctx.spec.coordinator.heartbeat_interval_seconds,
+        )
+        body = link.register(args.replacement)
+        view.update(body["cluster"])
+        store.epoch = int(body["epoch"])
+        threading.Thread(target=link.heartbeat_forever, args=(servicer, stop), daemon=True).start()
+    while not stop.wait(0.5):  # a bounded wait keeps the main thread responsive to signals
+        pass
+    server.stop(grace=1.0).wait()
+    log.info("shard %d stopped", args.shard)
+
+
+if __name__ == "__main__":
+    main()

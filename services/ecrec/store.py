@@ -1,0 +1,811 @@
+"""The state of one parameter server and the protocol steps on it, with the network injected.
+
+`ShardStore` holds the server's tensors — its data row records and their versions, the parity records it
+keeps for other servers' stripes, its dense chunks — and runs every protocol step of docs/protocol.md on
+them. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
+process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
+it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ecrec.core.codes import make_code
+from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
+from ecrec.faults import fault_point
+from ecrec.jobctx import JobContext
+from ecrec.model import init_dense, init_embedding_rows
+from ecrec.wire import InvalidRequest, check_finite
+
+INIT_BLOCK_ROWS = 1 << 18  # initialize tables in blocks to bound the temporaries of the hash init
+CONSISTENT_READ_TRIES = 200
+
+
+class PeerFailed(Exception):
+    def __init__(self, server: int, detail: str = ""):
+        super().__init__(f"server {server} failed: {detail}")
+        self.server = server
+
+
+class Busy(Exception):
+    """Rows stayed busy past the wait limit (the worker retries the part)."""
+
+
+class NotOwner(Exception):
+    """The request was routed with an outdated cluster map (the worker refreshes it and retries)."""
+
+
+@dataclass
+class ReadResult:
+    records: torch.Tensor
+    versions: torch.Tensor
+    ready: torch.Tensor | None = None
+
+
+class Peers(Protocol):
+    """What a server needs from the others. Calls raise PeerFailed if the peer is unreachable."""
+
+    def deltas(
+        self, batches: list[DeltaBatch], immediate: bool, epoch: int
+    ) -> dict[int, Exception | None]: ...
+
+    def decide(
+        self, servers: list[int], txn: str, src: int, commit: bool, epoch: int
+    ) -> dict[int, Exception | None]: ...
+
+    def read_rows(
+        self, requests: list[tuple[int, str, torch.Tensor, int]], epoch: int
+    ) -> list[ReadResult]: ...
+
+    def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]: ...
+
+    def confirm_failed(self, server: int) -> bool: ...
+
+    def is_failed(self, server: int) -> bool: ...
+
+
+class NoPeers:
+    """For a server without redundancy (strategy none): nothing to talk to."""
+
+    def deltas(self, batches, immediate, epoch):
+        return {b.parity_server: None for b in batches}
+
+    def decide(self, servers, txn, src, commit, epoch):
+        return dict.fromkeys(servers)
+
+    def read_rows(self, requests, epoch):
+        raise PeerFailed(-1, "no peers")
+
+    def dense_copy(self, server, chunk, epoch):
+        raise PeerFailed(server, "no peers")
+
+    def confirm_failed(self, server):
+        return True
+
+    def is_failed(self, server):
+        return False
+
+
+class ShardStore:
+    """One server's tables and protocol state. Thread-safe."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        shard: int,
+        peers: Peers | None = None,
+        *,
+        replacement: bool = False,
+        txn_timeout: float = 5.0,
+        wait_timeout: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ctx, self.shard, self.peers = ctx, shard, peers or NoPeers()
+        self.clock, self.txn_timeout, self.wait_timeout = clock, txn_timeout, wait_timeout
+        p = self.placement = ctx.placement
+        self.num_rows = p.rows_on(shard)
+        self.dim = ctx.dim
+        self.opt = ctx.optimizer
+        self.epoch = 0
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+        seed = ctx.spec.training.seed
+        self.replacement = replacement
+        # -- data rows ----------------------------------------------------------------------------------
+        if replacement:
+            data = torch.zeros(self.num_rows, ctx.record_width)
+        else:
+            data = self._init_records(p.global_id(shard, torch.arange(self.num_rows)), seed)
+        self.rows = DataParticipant(
+            shard, p, self.code, self.opt, data, torch.zeros(self.num_rows, dtype=torch.int64)
+        )
+        self.row_ready = torch.full((self.num_rows,), not replacement, dtype=torch.bool)
+        # -- parity records -----------------------------------------------------------------------------
+        n_par = p.parity_rows_on(shard) if p.r else 0
+        parity = torch.zeros(n_par, ctx.record_width)
+        if n_par and not replacement:
+            parity = self._encode_initial_parity(n_par, seed)
+        self.parity = ParityParticipant(
+            shard,
+            p,
+            self.code,
+            parity,
+            torch.zeros(n_par, max(p.k, 1), dtype=torch.int64),
+            ready=torch.full((n_par,), not replacement, dtype=torch.bool),
+        )
+        # -- degraded writes of failed shards' rows, for which this server is the acting home -----------
+        self.acting_locks: dict[int, RowLocks] = {}
+        self.acting_staged: dict[str, tuple] = {}  # txn -> (src, rows, new records, versions, staged at)
+        # The acting home is the only writer of a failed shard's rows, so it keeps the rows it has decoded
+        # (materialized) and updates them on commit: degraded reads and writes become local after first touch.
+        self.acting_cache: dict[int, ActingCache] = {}
+        # -- dense chunks -------------------------------------------------------------------------------
+        flat = init_dense(*_model_args(ctx), seed=seed)
+        self.dense: dict[int, torch.Tensor] = {}
+        self.dense_ready: dict[int, bool] = {}
+        self.dense_staged: dict[str, dict[int, torch.Tensor]] = {}
+        self.dense_log: dict[int, OrderedDict] = {}  # chunk -> txns applied (to skip them after a copy)
+        self.dense_min_epoch: dict[int, int] = {}
+        self.dense_copying: set[int] = set()
+        for c in ctx.dense_chunks_of(shard):
+            lo, hi = ctx.dense_bounds[c]
+            self.dense[c] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
+            self.dense_ready[c] = not replacement or len(ctx.dense_holders(c)) == 1
+            self.dense_log[c] = OrderedDict()
+        self.outcomes: OrderedDict[str, str] = OrderedDict()
+        self.committing: set[str] = set()
+        self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
+
+    @property
+    def data(self) -> torch.Tensor:
+        """This shard's data row records [rows, record width]."""
+        return self.rows.records
+
+    # ---------------------------------------------------------------------------------------------------
+    # initialization
+    def _init_records(self, g: torch.Tensor, seed: int) -> torch.Tensor:
+        out = torch.empty(g.numel(), self.ctx.record_width, dtype=torch.float32)
+        for lo in range(0, g.numel(), INIT_BLOCK_ROWS):
+            hi = min(g.numel(), lo + INIT_BLOCK_ROWS)
+            out[lo:hi] = self.opt.init_records(init_embedding_rows(g[lo:hi], self.dim, seed))
+        return out
+
+    def _encode_initial_parity(self, n_par: int, seed: int) -> torch.Tensor:
+        """Parity of the initial records, computed locally: initial rows are a pure function of global id."""
+        p, out = self.placement, torch.empty(n_par, self.ctx.record_width)
+        for lo in range(0, n_par, INIT_BLOCK_ROWS):
+            index = torch.arange(lo, min(n_par, lo + INIT_BLOCK_ROWS))
+            shards, locals_, present = p.stripe_members(self.shard, index)
+            g = p.global_id(shards.reshape(-1), locals_.reshape(-1))
+            recs = torch.zeros(g.numel(), self.ctx.record_width)
+            mask = present.reshape(-1)
+            recs[mask] = self._init_records(g[mask], seed)
+            out[lo : lo + index.numel()] = self.code.encode(recs.view(index.numel(), p.k, -1).transpose(0, 1))
+        return out
+
+    # ---------------------------------------------------------------------------------------------------
+    # validation and waiting
+    def local_rows(self, g: torch.Tensor, src: int | None = None) -> torch.Tensor:
+        p, src = self.placement, self.shard if src is None else src
+        if g.numel() == 0:
+            return g
+        if bool((g < 0).any()) or bool((g >= p.num_rows).any()):
+            raise InvalidRequest(f"ids: global row ids must be in [0, {p.num_rows})")
+        if bool((p.data_shard(g) != src).any()):
+            raise InvalidRequest(f"ids: some rows are not owned by shard {src}")
+        local = p.local_row(g)
+        if local.unique().numel() != local.numel():
+            raise InvalidRequest("ids: row ids in one request must be unique (sum duplicate gradients first)")
+        return local
+
+    def _check_grads(self, grads: torch.Tensor, n: int) -> None:
+        if grads.shape != (n, self.dim):
+            raise InvalidRequest(f"grads: expected shape ({n}, {self.dim}), got {tuple(grads.shape)}")
+        check_finite(grads, "grads")
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (holding self.lock on return) until ready(); Busy after wait_timeout."""
+        deadline = time.monotonic() + self.wait_timeout
+        waited = False
+        while not ready():
+            waited = True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Busy(f"{what}: still busy after {self.wait_timeout:.0f}s")
+            self.cond.wait(timeout=min(left, 0.1))
+        if waited:
+            self.stats["buffered"] += 1
+
+    def _chunk(self, chunk: int) -> torch.Tensor:
+        if chunk not in self.dense:
+            raise InvalidRequest(f"chunk: dense chunk {chunk} is not held by shard {self.shard}")
+        return self.dense[chunk]
+
+    def _remember(self, txn: str, outcome: str) -> None:
+        self.outcomes[txn] = outcome
+        while len(self.outcomes) > 65536:
+            self.outcomes.popitem(last=False)
+
+    # ---------------------------------------------------------------------------------------------------
+    # reads
+    def pull(self, g: torch.Tensor) -> torch.Tensor:
+        local = self.local_rows(g)
+        self.ensure_rows(local)
+        with self.lock:
+            return self.rows.records[local, : self.dim]
+
+    def pull_dense(self, chunk: int) -> torch.Tensor:
+        self._chunk(chunk)
+        with self.lock:
+            self._wait(lambda: self.dense_ready[chunk], f"dense chunk {chunk} not copied yet")
+            return self.dense[chunk][:, 0].clone()
+
+    def chunk_len(self, chunk: int) -> int:
+        return self._chunk(chunk).shape[0]
+
+    def read(self, kind: str, start: int, count: int, chunk: int = 0) -> torch.Tensor:
+        table = {
+            "data": lambda: self.rows.records,
+            "parity": lambda: self.parity.parity,
+            "dense": lambda: self._chunk(chunk),
+        }[kind]()
+        n = table.shape[0]
+        if start > n:
+            raise InvalidRequest(f"start: {start} is past the end ({n} records)")
+        end = n if count == 0 else min(n, start + count)
+        with self.lock:
+            return table[start:end].clone()
+
+    def read_rows(self, kind: str, index: torch.Tensor, src: int = -1) -> ReadResult:
+        """Records with versions. PARITY reads for rebuilding shard `src` wait for its undecided deltas; DATA
+        reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged."""
+        if kind == "data":
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+                raise InvalidRequest("index: local rows out of range")
+            with self.lock:
+                if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
+                    self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
+                if not bool(self.row_ready[index].all()):
+                    raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
+                return ReadResult(self.rows.records[index].clone(), self.rows.versions[index].clone())
+        n_par = self.parity.parity.shape[0]
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n_par):
+            raise InvalidRequest("index: parity indices out of range")
+        with self.lock:
+            if src >= 0:
+                self._wait(lambda: not self._undecided_from(src, index), f"deltas of shard {src}")
+            return ReadResult(
+                self.parity.parity[index].clone(),
+                self.parity.pver[index].clone(),
+                self.parity.ready[index].clone(),
+            )
+
+    def _undecided_from(self, src: int, index: torch.Tensor) -> bool:
+        """Any update of shard `src`'s rows in flight on these parity indices? (A staged delta of src, or a
+        degraded write this server is running for src, possibly still decoding.)"""
+        for _txn, idx, _slot in self.parity.staged_members(src):
+            if bool(torch.isin(idx, index).any()):
+                return True
+        locks = self.acting_locks.get(src)
+        if locks is not None and locks.holders():
+            shards, locs, present = self.placement.stripe_members(self.shard, index)
+            rows = locs[(shards == src) & present]
+            if rows.numel() and locks.busy(rows):
+                return True
+        return False
+
+    # ---------------------------------------------------------------------------------------------------
+    # decoding (degraded reads, acting-home writes, recovery)
+    def decode_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records and versions of shard src's rows, decoded from their stripes (consistent cut)."""
+        p = self.placement
+        out = torch.empty(local.numel(), self.ctx.record_width)
+        vers = torch.empty(local.numel(), dtype=torch.int64)
+        slot_all = p.stripe_of(src, local)[1]
+        todo = torch.arange(local.numel())
+        for _attempt in range(CONSISTENT_READ_TRIES):
+            rows = local[todo]
+            pserver, pindex = p.parity_of(src, rows)
+            # Parity records (+ the versions they reflect), grouped by parity server.
+            par = torch.empty(rows.numel(), self.ctx.record_width)
+            pver = torch.empty(rows.numel(), max(p.k, 1), dtype=torch.int64)
+            reqs, poss = [], []
+            # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
+            # degraded read or write at the acting home reads committed state (and holds the row lock itself).
+            wait_src = src if src == self.shard else -1
+            for server in pserver.unique().tolist():
+                pos = (pserver == server).nonzero().squeeze(1)
+                reqs.append((server, "parity", pindex[pos], wait_src))
+                poss.append(pos)
+            for pos, res in zip(poss, self._read_many(reqs), strict=True):
+                if res.ready is not None and not bool(res.ready.all()):
+                    raise PeerFailed(-1, "parity record not rebuilt: a second failure in the stripe")
+                par[pos], pver[pos] = res.records, res.versions
+            # The other members of each stripe, grouped by their server.
+            slot = slot_all[todo]
+            members = torch.zeros(p.k, rows.numel(), self.ctx.record_width)
+            mvers = pver.clone()
+            shards, locs, present = _members_of(p, pserver, pindex)
+            want = present.clone()
+            want[torch.arange(rows.numel()), slot] = False
+            reqs, where = [], []
+            for server in shards[want].unique().tolist():
+                sel = want & (shards == server)
+                ri, sj = sel.nonzero(as_tuple=True)
+                reqs.append((server, "data", locs[ri, sj], -1))
+                where.append((ri, sj))
+            for (ri, sj), res in zip(where, self._read_many(reqs), strict=True):
+                members[sj, ri] = res.records
+                mvers[ri, sj] = res.versions
+            consistent = (mvers == pver).all(dim=1)
+            members[slot, torch.arange(rows.numel())] = 0.0
+            decoded = self.code.decode(par, members)
+            ok = consistent.nonzero().squeeze(1)
+            out[todo[ok]] = decoded[ok]
+            vers[todo[ok]] = pver[ok, slot[ok]]
+            todo = todo[~consistent]
+            if todo.numel() == 0:
+                return out, vers
+            time.sleep(0.002)  # a commit is between a member and its parity server: read again
+        raise Busy(f"could not read a consistent cut of {todo.numel()} stripes")
+
+    def _read_many(self, reqs: list[tuple[int, str, torch.Tensor, int]]) -> list[ReadResult]:
+        """Reads from peers; reads addressed to this server are served locally."""
+        out: list[ReadResult | None] = [None] * len(reqs)
+        remote = [(i, r) for i, r in enumerate(reqs) if r[0] != self.shard]
+        for i, (_s, kind, index, src) in enumerate(reqs):
+            if reqs[i][0] == self.shard:
+                out[i] = self.read_rows(kind, index, src)
+        if remote:
+            for (i, _r), res in zip(
+                remote, self.peers.read_rows([r for _i, r in remote], self.epoch), strict=True
+            ):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def degraded_pull(self, src: int, g: torch.Tensor) -> torch.Tensor:
+        local = self.local_rows(g, src)
+        self._check_acting(src, local)
+        recs, _v = self.lost_rows(src, local)
+        self.stats["degraded_rows"] += local.numel()
+        return recs[:, : self.dim]
+
+    def lost_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed records and versions of failed shard src's rows: materialized ones from the cache, the
+        rest decoded (and materialized)."""
+        with self.lock:
+            cache = self.acting_cache.get(src)
+            hit = cache.valid[local] if cache is not None else torch.zeros(local.numel(), dtype=torch.bool)
+            if bool(hit.all()):
+                return cache.records[local].clone(), cache.versions[local].clone()
+            generation = cache.generation if cache is not None else 0
+        miss = (~hit).nonzero().squeeze(1)
+        recs = torch.empty(local.numel(), self.ctx.record_width)
+        vers = torch.empty(local.numel(), dtype=torch.int64)
+        recs[miss], vers[miss] = self.decode_rows(src, local[miss])
+        with self.lock:
+            if cache is not None and self.acting_cache.get(src) is cache:
+                h = hit.nonzero().squeeze(1)
+                recs[h], vers[h] = cache.records[local[h]], cache.versions[local[h]]
+                # Materialize only if no dead server's delta was committed on its behalf meanwhile, and not
+                # over rows an acting commit has materialized since (those are newer).
+                if cache.generation == generation:
+                    fresh = ~cache.valid[local[miss]]
+                    rows = local[miss][fresh]
+                    cache.records[rows], cache.versions[rows] = recs[miss][fresh], vers[miss][fresh]
+                    cache.valid[rows] = True
+        return recs, vers
+
+    def _check_acting(self, src: int, local: torch.Tensor) -> None:
+        if src == self.shard or not self.peers.is_failed(src):
+            self.acting_cache.pop(src, None)
+            raise NotOwner(f"shard {src} is not failed in this server's cluster map (epoch {self.epoch})")
+        pserver, _ = self.placement.parity_of(src, local)
+        if bool((pserver != self.shard).any()):
+            raise InvalidRequest(
+                f"ids: this server is not the parity server of all these rows of shard {src}"
+            )
+        key = getattr(self.peers, "failure_key", None)
+        key = key(src) if key is not None else None
+        with self.lock:
+            cache = self.acting_cache.get(src)
+            if key is None:
+                self.acting_cache.pop(src, None)
+            elif cache is None or cache.key != key:  # a new failure of src: nothing from before is valid
+                self.acting_cache[src] = ActingCache.empty(
+                    key, self.placement.rows_on(src), self.ctx.record_width
+                )
+
+    # ---------------------------------------------------------------------------------------------------
+    # recovery of a replacement
+    def ensure_rows(self, local: torch.Tensor) -> None:
+        """Rebuild on demand any of these rows that recovery has not reached yet."""
+        if not self.replacement or bool(self.row_ready[local].all()):
+            return
+        self.rebuild_rows(local)
+
+    def rebuild_rows(self, local: torch.Tensor) -> int:
+        """Rebuild one lock group: lock, gather + decode, install, unlock (queued requests then run)."""
+        group = f"recovery:{id(local)}:{time.monotonic_ns()}"
+        with self.lock:
+            self._wait(lambda: not self.rows.locks.busy(local), "rows being rebuilt")
+            todo = local[~self.row_ready[local]]
+            if todo.numel() == 0:
+                return 0
+            self.rows.locks.lock(group, todo)
+        try:
+            recs, vers = self.decode_rows(self.shard, todo)
+            fault_point("recover:mid_group")
+            with self.lock:
+                self.rows.records[todo] = recs
+                self.rows.versions[todo] = vers
+                self.row_ready[todo] = True
+                self.stats["rows_recovered"] += todo.numel()
+        finally:
+            with self.lock:
+                self.rows.locks.unlock(group)
+                self.cond.notify_all()
+        fault_point("recover:after_group")
+        return todo.numel()
+
+    def rebuild_parity(self, index: torch.Tensor) -> int:
+        """Re-encode parity records from their members' current records (versions make the cut exact)."""
+        p = self.placement
+        index = index[~self.parity.ready[index]]
+        if index.numel() == 0:
+            return 0
+        shards, locs, present = p.stripe_members(self.shard, index)
+        members = torch.zeros(p.k, index.numel(), self.ctx.record_width)
+        vers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
+        reqs, where = [], []
+        for server in shards[present].unique().tolist():
+            sel = present & (shards == server)
+            ri, sj = sel.nonzero(as_tuple=True)
+            reqs.append((server, "data", locs[ri, sj], self.shard))  # waits for staged rows: see read_rows
+            where.append((ri, sj))
+        for (ri, sj), res in zip(where, self._read_many(reqs), strict=True):
+            members[sj, ri] = res.records
+            vers[ri, sj] = res.versions
+        with self.lock:
+            self.parity.install(index, self.code.encode(members), vers)
+            self.cond.notify_all()
+        return index.numel()
+
+    def copy_dense(self) -> int:
+        """Copy the replicated chunks from the surviving replica; skip txns the copy already contains."""
+        n = 0
+        for c in list(self.dense):
+            if self.dense_ready[c]:
+                continue
+            other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
+            recs, txns = self.peers.dense_copy(other, c, self.epoch)
+            with self.lock:
+                self.dense[c] = recs
+                self.dense_log[c] = OrderedDict.fromkeys(txns)
+                self.dense_ready[c] = True
+                self.cond.notify_all()
+            n += recs.shape[0]
+        return n
+
+    def serve_dense_copy(self, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
+        """The surviving replica's side of copy_dense: from now on reject dense stages older than `epoch`."""
+        self._chunk(chunk)
+        with self.lock:
+            self.dense_min_epoch[chunk] = max(self.dense_min_epoch.get(chunk, 0), epoch)
+            self.dense_copying.add(chunk)  # new stages of the chunk wait, so the in-flight ones can drain
+            try:
+                self._wait(
+                    lambda: not any(chunk in d for d in self.dense_staged.values()), "dense txns in flight"
+                )
+                return self.dense[chunk].clone(), list(self.dense_log[chunk])
+            finally:
+                self.dense_copying.discard(chunk)
+                self.cond.notify_all()
+
+    def staged_count(self) -> int:
+        """Undecided 2PC state on this server (parts, acting parts, parity deltas, dense stages)."""
+        with self.lock:
+            return (
+                len(self.rows.staged)
+                + len(self.acting_staged)
+                + len(self.parity.staged)
+                + len(self.dense_staged)
+            )
+
+    def recovery_done(self) -> bool:
+        return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and all(self.dense_ready.values())
+
+    # ---------------------------------------------------------------------------------------------------
+    # updates without 2PC (strategy none, or twoPhaseCommit: false)
+    def push(self, g: torch.Tensor, grads: torch.Tensor, txn: str = "") -> int:
+        local = self.local_rows(g)
+        self._check_grads(grads, local.numel())
+        self.ensure_rows(local)
+        txn = txn or f"push:{time.monotonic_ns()}"
+        with self.lock:
+            self._wait(lambda: not self.rows.locks.busy(local), "rows staged by another txn")
+            part = self.rows.stage(txn, local, grads, self.clock())
+            self.rows.commit(txn)  # applied at once; rows stay locked until the parity has the delta
+            self.rows.locks.lock(txn, local)
+        try:
+            self._send_deltas(part.batches, immediate=True)
+        finally:
+            with self.lock:
+                self.rows.locks.unlock(txn)
+                self.cond.notify_all()
+        return local.numel()
+
+    def push_dense(self, chunk: int, grads: torch.Tensor) -> None:
+        recs = self._chunk(chunk)
+        if grads.shape != (recs.shape[0], 1):
+            grads = grads.reshape(-1, 1)
+        check_finite(grads, "grads")
+        with self.lock:
+            self._wait(lambda: self.dense_ready[chunk], "dense chunk not copied yet")
+            self.dense[chunk] = self.opt.apply(self.dense[chunk], grads)
+
+    def _send_deltas(self, batches: list[DeltaBatch], immediate: bool) -> None:
+        """Deliver deltas; a parity server that fails is confirmed with the coordinator, then skipped."""
+        pending = [b for b in batches if not self.peers.is_failed(b.parity_server)]
+        for _attempt in range(10):
+            if not pending:
+                return
+            errors = self.peers.deltas(pending, immediate, self.epoch)
+            retry = []
+            for b in pending:
+                if errors.get(b.parity_server) is None:
+                    continue
+                if not self.peers.confirm_failed(b.parity_server):
+                    retry.append(b)  # alive after all (a transient error): send again
+            pending = retry
+        raise PeerFailed(pending[0].parity_server, "deltas not delivered")
+
+    # ---------------------------------------------------------------------------------------------------
+    # two-phase commit
+    def stage(
+        self,
+        txn: str,
+        g: torch.Tensor,
+        grads: torch.Tensor,
+        src: int = -1,
+        dense: dict[int, torch.Tensor] | None = None,
+        epoch: int = 0,
+    ) -> int:
+        """Phase 1 of a part (docs/protocol.md). Returns the number of rows staged."""
+        src = self.shard if src < 0 else src
+        local = self.local_rows(g, src)
+        self._check_grads(grads, local.numel())
+        dense = dense or {}
+        for c, dg in dense.items():
+            if dg.shape != (self.chunk_len(c),):
+                raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
+            check_finite(dg, "dense_grads")
+        if src != self.shard:
+            return self._stage_acting(txn, src, local, grads)
+        self.ensure_rows(local)
+        with self.lock:
+            if txn in self.outcomes:
+                raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
+            for c in dense:
+                if epoch and epoch < self.dense_min_epoch.get(c, 0):
+                    raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
+            self._wait(
+                lambda: (
+                    all(self.dense_ready[c] and c not in self.dense_copying for c in dense)
+                    and not self.rows.locks.busy(local, txn)
+                ),
+                "rows staged by another txn",
+            )
+            # A step whose dense update the copy from the surviving replica already contains is not
+            # applied again (replicas stay bit-identical).
+            dense = {c: dg for c, dg in dense.items() if step_of(txn) not in self.dense_log[c]}
+            part = self.rows.stage(txn, local, grads, self.clock())
+            if dense:
+                self.dense_staged[txn] = {c: dg.clone() for c, dg in dense.items()}
+        fault_point("stage:after_local")
+        try:
+            self._send_deltas(part.batches, immediate=False)
+        except PeerFailed:
+            self.abort(txn)
+            raise
+        fault_point("stage:after_deltas")
+        return local.numel()
+
+    def _stage_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
+        """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows."""
+        with self.lock:
+            if txn in self.acting_staged:  # a retried stage gets the same answer, staged once
+                return local.numel()
+            if txn in self.outcomes:
+                raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
+        self._check_acting(src, local)
+        p = self.placement
+        with self.lock:
+            locks = self.acting_locks.setdefault(src, RowLocks(p.rows_on(src)))
+            self._wait(
+                lambda: not locks.busy(local, txn) and not self._staged_from_rows(src, local),
+                "rows of a failed shard staged by another txn",
+            )
+            locks.lock(txn, local)
+        try:
+            old, vers = self.lost_rows(src, local)
+        except Exception:
+            with self.lock:
+                locks.unlock(txn)
+                self.cond.notify_all()
+            raise
+        new = self.opt.apply(old, grads)
+        _, index = p.parity_of(src, local)
+        slot = p.stripe_of(src, local)[1]
+        batch = DeltaBatch(self.shard, txn, src, index, slot, self.code.delta(old, new), vers + 1)
+        with self.lock:
+            self.parity.stage(batch)
+            self.acting_staged[txn] = (src, local, new, vers + 1, self.clock())
+            self.stats["degraded_rows"] += local.numel()
+        fault_point("acting:after_stage")
+        return local.numel()
+
+    def _staged_from_rows(self, src: int, local: torch.Tensor) -> bool:
+        """Does failed shard src still have an undecided delta (staged before it died) on these rows?"""
+        k = self.placement.k
+        for txn, idx, slot in self.parity.staged_members(src):
+            if txn in self.acting_staged:
+                continue
+            if bool(torch.isin(idx * k + slot, local).any()):
+                return True
+        return False
+
+    def commit(self, txn: str) -> str:
+        """Phase 2: forward the decision to the parity servers, then apply locally."""
+        with self.lock:
+            if txn in self.outcomes:
+                return self.outcomes[txn]
+            acting = self.acting_staged.pop(txn, None)
+            if acting is not None:
+                src, local, new, vers, _at = acting
+                self.parity.commit(txn, src)
+                self.acting_locks[src].unlock(txn)
+                cache = self.acting_cache.get(src)
+                if cache is not None:
+                    cache.records[local], cache.versions[local], cache.valid[local] = new, vers, True
+                self._remember(txn, "committed")
+                self.cond.notify_all()
+                return "committed"
+            part = self.rows.staged.get(txn)
+            dense = self.dense_staged.get(txn)
+            if part is None and dense is None:
+                return "unknown"
+            if txn in self.committing:
+                return "committing"
+            # From here on the part is decided: neither the timeout nor an abort may undo it.
+            self.committing.add(txn)
+        if part is not None:
+            self._decide(list(part.parity_servers), txn, commit=True)
+        fault_point("commit:after_forward")
+        with self.lock:
+            self.committing.discard(txn)
+            if part is not None:
+                self.rows.commit(txn)
+            for c, dg in (self.dense_staged.pop(txn, None) or {}).items():
+                self.dense[c] = self.opt.apply(self.dense[c], dg.reshape(-1, 1))
+                log = self.dense_log[c]
+                log[step_of(txn)] = None
+                while len(log) > 4096:
+                    log.popitem(last=False)
+            self._remember(txn, "committed")
+            self.cond.notify_all()
+        fault_point("commit:after_apply")
+        return "committed"
+
+    def abort(self, txn: str) -> str:
+        with self.lock:
+            if txn in self.outcomes:
+                return self.outcomes[txn]
+            if txn in self.committing:
+                return "committing"
+            acting = self.acting_staged.pop(txn, None)
+            if acting is not None:
+                self.parity.abort(txn, acting[0])
+                self.acting_locks[acting[0]].unlock(txn)
+            part = self.rows.abort(txn)
+            self.dense_staged.pop(txn, None)
+            self._remember(txn, "aborted")
+            self.cond.notify_all()
+        if part is not None:
+            self._decide(list(part.parity_servers), txn, commit=False)
+        return "aborted"
+
+    def _decide(self, servers: list[int], txn: str, commit: bool) -> None:
+        live = [s for s in servers if not self.peers.is_failed(s)]
+        for _attempt in range(10):
+            if not live:
+                return
+            errors = self.peers.decide(live, txn, self.shard, commit, self.epoch)
+            live = [s for s in live if errors.get(s) is not None and not self.peers.confirm_failed(s)]
+
+    def decide_deltas(self, txn: str, src: int, commit: bool) -> str:
+        """A parity server's side of a decision about (txn, src)'s staged deltas."""
+        with self.lock:
+            cache = self.acting_cache.get(src)
+            if cache is not None and commit:
+                # A dead server's own update committed on its behalf changes its lost rows: forget them.
+                k = self.placement.k
+                for t, idx, slot in self.parity.staged_members(src):
+                    if t == txn:
+                        cache.valid[idx * k + slot] = False
+                cache.generation += 1
+            out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)
+            self.cond.notify_all()
+        fault_point("decide:after_apply")
+        return out
+
+    def receive_deltas(self, batch: DeltaBatch, immediate: bool) -> None:
+        with self.lock:
+            if immediate:
+                self.parity.apply(batch)
+            else:
+                self.parity.stage(batch)
+        fault_point("delta:after_stage")
+
+    def expire(self) -> list[str]:
+        """Abort parts whose worker never committed (it died): no row stays staged forever (I4)."""
+        with self.lock:
+            now = self.clock()
+            stale = [t for t in self.rows.expired(now, self.txn_timeout) if t not in self.committing]
+            # degraded writes whose worker died expire too, or the failed shard's rows would stay locked
+            stale += [t for t, a in self.acting_staged.items() if now - a[4] > self.txn_timeout]
+        for txn in stale:
+            self.abort(txn)
+        return stale
+
+
+@dataclass
+class ActingCache:
+    """Materialized rows of one failed shard at its acting home, valid for one failure (`key`)."""
+
+    key: object
+    records: torch.Tensor
+    versions: torch.Tensor
+    valid: torch.Tensor
+    generation: int = 0
+
+    @classmethod
+    def empty(cls, key, rows: int, width: int) -> ActingCache:
+        return cls(
+            key,
+            torch.zeros(rows, width),
+            torch.zeros(rows, dtype=torch.int64),
+            torch.zeros(rows, dtype=torch.bool),
+        )
+
+
+def step_of(txn: str) -> str:
+    """The worker step a part belongs to: txn ids are "<step>/<part>" (see PSClient.plan_parts)."""
+    return txn.split("/", 1)[0]
+
+
+def _members_of(p, pserver: torch.Tensor, pindex: torch.Tensor):
+    """stripe_members for rows whose parity records sit on different servers."""
+    n = pindex.numel()
+    shards = torch.empty(n, p.k, dtype=torch.int64)
+    locs = torch.empty(n, p.k, dtype=torch.int64)
+    present = torch.empty(n, p.k, dtype=torch.bool)
+    for server in pserver.unique().tolist():
+        pos = (pserver == server).nonzero().squeeze(1)
+        s, loc, pr = p.stripe_members(server, pindex[pos])
+        shards[pos], locs[pos], present[pos] = s, loc, pr
+    return shards, locs, present
+
+
+def _model_args(ctx: JobContext) -> tuple:
+    m = ctx.model
+    return (m.num_dense, m.num_tables, m.dim, list(m.bottom_mlp), list(m.top_mlp))

@@ -1,0 +1,52 @@
+"""Tensors on the wire: raw little-endian bytes <-> torch tensors, and request validation.
+
+gRPC hands us immutable `bytes`; torch.frombuffer wraps them without a copy (the tensor is read-only in
+spirit, so callers that keep or mutate it must clone). Every decoder checks sizes and raises
+`InvalidRequest`, which servicers turn into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+# torch.frombuffer warns that bytes are not writable; we never write through these views.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class InvalidRequest(ValueError):
+    """A request that is malformed or asks for something this server does not hold."""
+
+
+def ids_to_bytes(ids: torch.Tensor) -> bytes:
+    return ids.to(device="cpu", dtype=torch.int64).contiguous().numpy().tobytes()
+
+
+def floats_to_bytes(x: torch.Tensor) -> bytes:
+    return x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
+
+
+def bytes_to_ids(buf: bytes, what: str = "ids") -> torch.Tensor:
+    if len(buf) % 8:
+        raise InvalidRequest(f"{what}: {len(buf)} bytes is not a whole number of int64 values")
+    if not buf:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(buf, dtype=torch.int64)
+
+
+def bytes_to_floats(buf: bytes, rows: int, width: int, what: str = "values") -> torch.Tensor:
+    """Decode a float32 [rows, width] matrix, checking the size first."""
+    expected = rows * width * 4
+    if len(buf) != expected:
+        raise InvalidRequest(
+            f"{what}: expected {rows}x{width} float32 ({expected} bytes), got {len(buf)} bytes"
+        )
+    if rows * width == 0:
+        return torch.empty(rows, width, dtype=torch.float32)
+    return torch.frombuffer(buf, dtype=torch.float32).view(rows, width)
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise InvalidRequest(f"{what}: contains NaN or Inf")

@@ -1,0 +1,218 @@
+"""A training worker: pull rows and dense parameters, forward/backward, push gradients.
+
+Workers are asynchronous: each trains on its own interleaved batch indices (rank, rank + W, ...) and never
+waits for other workers. Outside deterministic mode a worker keeps one update in flight, overlapping the push
+of step t with the pull and compute of step t + 1. Deterministic mode (one worker) waits for every push to be
+acknowledged before the next pull, so a run is a pure function of the spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import torch
+import torch.nn.functional as F
+
+from ecrec import faults
+from ecrec.client import Pending, PSClient, ServerUnavailable
+from ecrec.data import Batch, make_data_source
+from ecrec.jobctx import JobContext
+from ecrec.metrics import Metrics
+from ecrec.model import flatten_dense_grad, load_dense_
+
+log = logging.getLogger("ecrec.worker")
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("workers.device is 'cuda' but CUDA is not available on this worker")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def data_source(ctx: JobContext):
+    d, m = ctx.spec.data, ctx.model
+    return make_data_source(
+        d.source,
+        m.table_sizes,
+        m.num_dense,
+        ctx.spec.training.seed,
+        zipf_exponent=d.zipf_exponent,
+        eval_samples=d.eval_samples,
+        paths=d.paths,
+    )
+
+
+class Trainer:
+    """One worker's model replica and its step function; the transport is a `PSClient`."""
+
+    def __init__(self, ctx: JobContext, client: PSClient, device: torch.device):
+        self.ctx, self.client, self.device = ctx, client, device
+        self.model = ctx.model.build().to(device)
+        self.offsets = ctx.table_offsets
+        self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
+
+    def step(self, batch: Batch) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pull, forward, backward. Returns (loss, unique row ids, their gradients, flat dense gradient)."""
+        ctx, dev = self.ctx, self.device
+        B, T = batch.ids.shape
+        g = (batch.ids + self.offsets).reshape(-1)
+        uniq, inv = torch.unique(g, return_inverse=True)
+        rows = self.client.pull_rows(uniq)
+        load_dense_(self.model, self.client.pull_dense())
+        # The gathered [B, T, dim] tensor is the autograd leaf; its gradient is summed per unique row with
+        # index_add_, which is deterministic on CPU (autograd's own scatter for indexing need not be).
+        sparse = rows.to(dev)[inv.to(dev)].view(B, T, ctx.dim).requires_grad_(True)
+        self.model.zero_grad(set_to_none=True)
+        logits = self.model(batch.dense.to(dev), sparse)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(dev))
+        loss.backward()
+        row_grads = torch.zeros(uniq.numel(), ctx.dim, device=dev).index_add_(
+            0, inv.to(dev), sparse.grad.view(B * T, ctx.dim)
+        )
+        return float(loss.detach()), uniq, row_grads, flatten_dense_grad(self.model)
+
+    def push(self, uniq: torch.Tensor, row_grads: torch.Tensor, dense_grad: torch.Tensor, txn: str):
+        """Send the update. Returns something with .wait(): the foundation's Pending RPCs, or, with ECRec, a
+        future of the whole per-part 2PC (run on a background thread: it retries through failures)."""
+        row_grads, dense_grad = row_grads.cpu(), dense_grad.cpu()
+        if self.ctx.ecrec:
+            return _FutureWait(
+                self.updater.submit(self.client.apply_update, txn, uniq, row_grads, dense_grad)
+            )
+        return _Both(self.client.push_rows(uniq, row_grads, txn), self.client.push_dense(dense_grad, txn))
+
+
+class _Both:
+    def __init__(self, *pending: Pending):
+        self.pending = pending
+
+    def wait(self) -> None:
+        for p in self.pending:
+            p.wait()
+
+
+class _FutureWait:
+    def __init__(self, fut: Future):
+        self.fut = fut
+
+    def wait(self) -> None:
+        self.fut.result()
+
+
+class ProgressReporter:
+    """Posts this worker's counters to the coordinator every `interval` seconds, off the training thread."""
+
+    def __init__(self, http: httpx.Client, url: str, rank: int, interval: float = 0.5):
+        self.http, self.url, self.rank, self.interval = http, url, rank, interval
+        self.step = self.samples = 0
+        self.loss: float | None = None
+        self.last_step_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _post(self, done: bool = False, error: str | None = None) -> None:
+        body = {
+            "rank": self.rank,
+            "step": self.step,
+            "samples": self.samples,
+            "loss": self.loss,
+            "done": done,
+            "error": error,
+            "lastStepAt": self.last_step_at,
+        }
+        self.http.post(f"{self.url}/v1/workers/progress", json=body).raise_for_status()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._post()
+            except httpx.HTTPError as e:
+                log.warning("progress report failed: %s", e)
+
+    def finish(self, error: str | None = None) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._post(done=error is None, error=error)
+
+
+def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -> None:
+    spec = ctx.spec
+    workers = spec.workers.replicas
+    threads = spec.workers.threads or max(1, (os.cpu_count() or 1) // (workers + spec.servers.replicas))
+    torch.set_num_threads(threads)
+    device = pick_device(spec.workers.device)
+    if spec.training.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    http = httpx.Client(timeout=10.0)
+    url = coordinator.rstrip("/")
+    http.post(f"{url}/v1/workers/register", json={"rank": rank}).raise_for_status()
+    while not http.get(f"{url}/v1/workers/start").json()["started"]:
+        time.sleep(0.05)
+    cluster = http.get(f"{url}/cluster").json()
+    client = PSClient(ctx, cluster, metrics, coordinator=url)
+    trainer = Trainer(ctx, client, device)
+    data = data_source(ctx)
+    reporter = ProgressReporter(http, url, rank)
+    reporter.start()
+    in_flight = None
+    B = spec.training.batch_size
+    try:
+        for step in range(spec.training.steps):
+            batch = data.batch(step * workers + rank, B)
+            txn = f"w{rank}-{step}"
+            loss, uniq, row_grads, dense_grad = trainer.step(batch)
+            if in_flight is not None:  # at most one update in flight: wait for the previous step's
+                in_flight.wait()
+            in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
+            if spec.training.deterministic:
+                in_flight.wait()
+                in_flight = None
+            reporter.step, reporter.samples, reporter.loss = step + 1, (step + 1) * B, loss
+            reporter.last_step_at = time.time()
+            metrics.of(metrics.steps).inc()
+            metrics.of(metrics.samples).inc(B)
+        if in_flight is not None:
+            in_flight.wait()
+    except ServerUnavailable as e:
+        log.error("%s", e)
+        reporter.finish(error=str(e))
+        raise SystemExit(1) from e
+    reporter.finish()
+    log.info("worker %d finished %d steps on %s", rank, spec.training.steps, device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="ecrec-worker")
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--metrics-port", type=int, default=0)
+    ap.add_argument("--metrics-addr", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s worker-{args.rank} %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    faults.configure(f"worker-{args.rank}")
+    ctx = JobContext.from_file(args.job)
+    metrics = Metrics(ctx.name, "worker", "")
+    metrics.serve(args.metrics_port, args.metrics_addr)
+    run_worker(ctx, args.rank, args.coordinator, metrics)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,491 @@
+"""An in-memory network of `ShardStore`s for deterministic protocol tests: no processes, no sockets, no threads.
+
+`Net` holds one store per shard id and wires them with `LocalPeers`, which implements store.py's `Peers` by
+direct method calls on the other stores. A dead shard is one whose store (its memory) was dropped: calls to
+it fail with `PeerFailed` as they would over gRPC, and so does anything a dead store still tries to send, so
+`kill` acts like a SIGKILL between two protocol steps. Every call between processes (worker -> server and
+server -> server) passes through `Net.call`, where hooks (`Net.kill_at`, `Net.on`) can kill a process or
+lose a message or its answer at an exact point of the protocol.
+
+`Worker` routes updates and reads like PSClient does (docs/protocol.md): rows of a failed shard go to their
+parity server (the acting home) with `src = shard`; each part is committed as soon as its stage is acked; a
+data server that died is aborted (stage not acked) or committed (stage acked) on its behalf at its parity
+servers.
+
+`logical_model` and `parity_check` are the test oracles: the whole model in placement-independent order, and
+invariant I1 (every parity record == encode(members), bit-exact for xor), as PSClient.parity_check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ecrec.core.codes import make_code
+from ecrec.core.recovery import plan_recovery
+from ecrec.core.txn import DeltaBatch, RowsBusy
+from ecrec.jobctx import JobContext
+from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.wire import InvalidRequest
+
+WORKER = -1  # caller id of the worker in `Call`s
+# What a server's RPC layer turns into a gRPC status: the peer sees an RpcError, i.e. PeerFailed.
+REMOTE_ERRORS = (InvalidRequest, NotOwner, Busy, RowsBusy, PeerFailed)
+
+
+@dataclass
+class FakeClock:
+    """The stores' wall clock (txnTimeout expiry); moves only when a test says so."""
+
+    t: float = 1_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@dataclass(frozen=True)
+class Call:
+    """One message: `caller` (a shard id or WORKER) invokes store method `method` on shard `server`.
+    Hooks see it twice: phase "before" (raise PeerFailed: the message is lost) and "after" (the server has
+    acted; raise PeerFailed: the answer is lost)."""
+
+    method: str
+    caller: int
+    server: int
+    phase: str
+
+
+Hook = Callable[[Call], None]
+
+
+def _wire_copy(b: DeltaBatch, server: int) -> DeltaBatch:
+    """A delta batch as the receiving server sees it: its own tensors, addressed to it."""
+    return DeltaBatch(
+        server, b.txn, b.src, b.index.clone(), b.slot.clone(), b.delta.clone(), b.version.clone()
+    )
+
+
+class LocalPeers:
+    """`Peers` of server `me` over direct calls through the Net. Remote errors become PeerFailed, as the
+    gRPC adapter (server.GrpcPeers) reports every RpcError."""
+
+    def __init__(self, net: Net, me: int):
+        self.net, self.me = net, me
+
+    def _call(self, server: int, method: str, *args):
+        try:
+            return self.net.call(self.me, server, method, *args)
+        except REMOTE_ERRORS as e:
+            if isinstance(e, PeerFailed) and e.server == server:
+                raise
+            raise PeerFailed(server, f"{type(e).__name__}: {e}") from e
+
+    def deltas(self, batches: list[DeltaBatch], immediate: bool, epoch: int) -> dict[int, Exception | None]:
+        out: dict[int, Exception | None] = {}
+        for b in batches:
+            try:
+                self._call(b.parity_server, "receive_deltas", _wire_copy(b, b.parity_server), immediate)
+                out.setdefault(b.parity_server, None)
+            except PeerFailed as e:
+                out[b.parity_server] = e
+        return out
+
+    def decide(
+        self, servers: list[int], txn: str, src: int, commit: bool, epoch: int
+    ) -> dict[int, Exception | None]:
+        out: dict[int, Exception | None] = {}
+        for s in servers:
+            try:
+                self._call(s, "decide_deltas", txn, src, commit)
+                out[s] = None
+            except PeerFailed as e:
+                out[s] = e
+        return out
+
+    def read_rows(self, requests: list[tuple[int, str, torch.Tensor, int]], epoch: int) -> list[ReadResult]:
+        return [
+            self._call(server, "read_rows", kind, index.clone(), src) for server, kind, index, src in requests
+        ]
+
+    def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
+        recs, txns = self._call(server, "serve_dense_copy", chunk, epoch)
+        return recs.clone(), list(txns)
+
+    def confirm_failed(self, server: int) -> bool:
+        return self.net.is_failed(server)  # the coordinator's probe finds the process gone, or not
+
+    def is_failed(self, server: int) -> bool:
+        return self.net.is_failed(server)
+
+    def failure_key(self, server: int) -> int:
+        return self.net.incarnation[server]
+
+
+class Net:
+    """One ShardStore per shard id, a cluster map (failed shards, incarnations, epoch) and the wires."""
+
+    def __init__(self, ctx: JobContext, *, wait_timeout: float = 2.0, txn_timeout: float = 5.0):
+        self.ctx = ctx
+        self.clock = FakeClock()
+        self.wait_timeout, self.txn_timeout = wait_timeout, txn_timeout
+        self.epoch = 1
+        self.incarnation = [1] * ctx.num_servers
+        self.failed: set[int] = set()
+        self.hooks: list[Hook] = []
+        self.stores: dict[int, ShardStore] = {s: self._new_store(s, False) for s in range(ctx.num_servers)}
+
+    def _new_store(self, s: int, replacement: bool) -> ShardStore:
+        store = ShardStore(
+            self.ctx,
+            s,
+            LocalPeers(self, s),
+            replacement=replacement,
+            txn_timeout=self.txn_timeout,
+            wait_timeout=self.wait_timeout,
+            clock=self.clock,
+        )
+        store.epoch = self.epoch
+        return store
+
+    # -- the cluster map ----------------------------------------------------------------------------------
+    def __getitem__(self, s: int) -> ShardStore:
+        if s not in self.stores:
+            raise KeyError(f"shard {s} is dead")
+        return self.stores[s]
+
+    def is_failed(self, s: int) -> bool:
+        return s in self.failed
+
+    def live(self) -> list[int]:
+        return sorted(self.stores)
+
+    def _bump_epoch(self) -> None:
+        self.epoch += 1
+        for store in self.stores.values():
+            store.epoch = self.epoch
+
+    def kill(self, s: int) -> None:
+        """SIGKILL shard s: its memory is gone; the coordinator marks it failed (epoch + 1)."""
+        self.stores.pop(s, None)
+        self.failed.add(s)
+        self._bump_epoch()
+
+    def replace(self, s: int) -> ShardStore:
+        """A replacement registers under shard id s, empty; the map routes s's rows to it again (recovering)."""
+        if s in self.stores:
+            self.kill(s)
+        self.incarnation[s] += 1
+        self.failed.discard(s)
+        self.stores[s] = self._new_store(s, True)
+        self._bump_epoch()
+        return self.stores[s]
+
+    def recover(self, s: int, lock_group_rows: int, between: Callable[[int], None] | None = None) -> int:
+        """Walk the coordinator's recovery plan on replacement s (dense, data lock groups, parity groups);
+        `between(i)` runs after step i, e.g. to apply updates while the rebuild is under way. Returns the
+        number of steps."""
+        store = self[s]
+        steps = plan_recovery(store.num_rows, store.parity.parity.shape[0], lock_group_rows)
+        for i, step in enumerate(steps):
+            if step.kind == "dense":
+                self.call(WORKER, s, "copy_dense")
+            elif step.kind == "data":
+                self.call(WORKER, s, "rebuild_rows", torch.arange(step.start, step.start + step.count))
+            else:
+                self.call(WORKER, s, "rebuild_parity", torch.arange(step.start, step.start + step.count))
+            if between is not None:
+                between(i)
+        return len(steps)
+
+    # -- the wires ----------------------------------------------------------------------------------------
+    def call(self, caller: int, server: int, method: str, *args, **kwargs):
+        """Deliver one message and its answer; PeerFailed if either end is dead or a hook loses it."""
+        self._run_hooks(Call(method, caller, server, "before"))
+        if caller != WORKER and caller not in self.stores:
+            raise PeerFailed(server, f"sender {caller} is dead")  # a killed process sends nothing more
+        store = self.stores.get(server)
+        if store is None:
+            raise PeerFailed(server, "connection refused")
+        try:
+            out = getattr(store, method)(*args, **kwargs)
+        except Exception:
+            if self.stores.get(server) is not store:  # it died on the way: the caller sees only that
+                raise PeerFailed(server, "died before answering") from None
+            raise
+        self._run_hooks(Call(method, caller, server, "after"))
+        if self.stores.get(server) is not store:
+            raise PeerFailed(server, "died before answering")
+        return out
+
+    def _run_hooks(self, call: Call) -> None:
+        for hook in list(self.hooks):
+            hook(call)
+
+    def on(
+        self,
+        method: str,
+        hook: Hook,
+        *,
+        caller: int | None = None,
+        server: int | None = None,
+        phase: str = "before",
+        nth: int = 1,
+    ) -> None:
+        """Run `hook` once, at the nth matching call."""
+        seen = 0
+
+        def matcher(call: Call) -> None:
+            nonlocal seen
+            if call.method != method or call.phase != phase:
+                return
+            if (caller is not None and call.caller != caller) or (
+                server is not None and call.server != server
+            ):
+                return
+            seen += 1
+            if seen == nth:
+                self.hooks.remove(matcher)
+                hook(call)
+
+        self.hooks.append(matcher)
+
+    def kill_at(self, method: str, victim: int, **match) -> None:
+        """Kill `victim` at the matching call (a fault point), e.g. after its deltas reached a parity server:
+        kill_at("receive_deltas", victim=s, caller=s, phase="after")."""
+        self.on(method, lambda _call: self.kill(victim), **match)
+
+    def lose_at(self, method: str, **match) -> None:
+        """Lose the matching message (phase "before") or its answer (phase "after")."""
+
+        def lose(call: Call) -> None:
+            raise PeerFailed(call.server, f"{call.method} lost ({call.phase})")
+
+        self.on(method, lose, **match)
+
+    def staged_total(self) -> int:
+        return sum(st.staged_count() for st in self.stores.values())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the worker
+@dataclass
+class Part:
+    target: int
+    src: int  # -1: the target's own rows; else the failed shard whose rows the target (acting home) serves
+    pos: torch.Tensor  # positions into the step's row arrays
+    txn: str
+    dense: list[int] = field(default_factory=list)
+
+
+class Worker:
+    """Drives the per-part 2PC of docs/protocol.md over a Net, as PSClient.apply_update does."""
+
+    def __init__(self, net: Net):
+        self.net = net
+        self.ctx = net.ctx
+        self.p = net.ctx.placement
+
+    def plan(self, step: str, g: torch.Tensor, todo: torch.Tensor, dense: dict[int, set[int]], attempt: int):
+        parts: dict[tuple[int, int], Part] = {}
+        for s, pos, local in self.p.group_by_shard(g[todo]):
+            pos = todo[pos]
+            if self.net.is_failed(s):
+                pservers, _ = self.p.parity_of(s, local)
+                for ps in pservers.unique().tolist():
+                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps], "")
+            else:
+                parts[(s, -1)] = Part(s, -1, pos, "")
+        for c, holders in dense.items():
+            for h in sorted(holders):
+                parts.setdefault((h, -1), Part(h, -1, torch.empty(0, dtype=torch.int64), "")).dense.append(c)
+        for part in parts.values():
+            part.txn = f"{step}/{part.target}.{part.src}.{attempt}"
+        return sorted(parts.values(), key=lambda q: (q.target, q.src))
+
+    def stage(self, part: Part, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor | None) -> int:
+        dense = {}
+        if part.dense:
+            assert dense_grad is not None
+            dense = {c: dense_grad[slice(*self.ctx.dense_bounds[c])].clone() for c in part.dense}
+        return self.net.call(
+            WORKER, part.target, "stage", part.txn, g[part.pos], grads[part.pos].clone(), part.src, dense
+        )
+
+    def commit(self, part: Part) -> str:
+        return self.net.call(WORKER, part.target, "commit", part.txn)
+
+    def decide_on_behalf(self, part: Part, g: torch.Tensor, commit: bool) -> list[str]:
+        """Decide dead data server part.target's staged deltas at its live parity servers."""
+        out = []
+        local = self.p.local_row(g[part.pos])
+        for j in range(self.p.r):
+            for ps, _pos, _idx in self.p.group_by_parity(part.target, local, j):
+                if not self.net.is_failed(ps):
+                    out.append(self.net.call(WORKER, ps, "decide_deltas", part.txn, part.target, commit))
+        return out
+
+    def update(
+        self,
+        step: str,
+        g: torch.Tensor,
+        grads: torch.Tensor,
+        dense_grad: torch.Tensor | None = None,
+        attempts: int = 5,
+    ) -> None:
+        """Apply one step's update exactly once, whatever single failure the Net's hooks inject."""
+        todo = torch.arange(g.numel())
+        dense_todo: dict[int, set[int]] = {}
+        if dense_grad is not None:
+            dense_todo = {
+                c: {h for h in self.ctx.dense_holders(c) if not self.net.is_failed(h)}
+                for c in range(self.ctx.num_servers)
+            }
+        for attempt in range(attempts):
+            if todo.numel() == 0 and not any(dense_todo.values()):
+                return
+            done = torch.zeros(g.numel(), dtype=torch.bool)
+            for part in self.plan(step, g, todo, dense_todo, attempt):
+                try:
+                    self.stage(part, g, grads, dense_grad)
+                except PeerFailed:
+                    if not self.net.is_failed(part.target):
+                        self.net.call(WORKER, part.target, "abort", part.txn)  # it may have staged
+                    elif part.src < 0 and part.pos.numel():
+                        self.decide_on_behalf(part, g, commit=False)  # died before acking: undo, retry
+                    continue
+                except (Busy, NotOwner, RowsBusy):
+                    continue  # busy rows or a stale map: retry the part on the next pass
+                try:
+                    outcome = self.commit(part)
+                except PeerFailed:
+                    if not self.net.is_failed(part.target):
+                        outcome = self.commit(part)  # commits are idempotent: ask again
+                    else:
+                        if part.src < 0 and part.pos.numel():
+                            self.decide_on_behalf(part, g, commit=True)  # acked, then died
+                        outcome = "committed"
+                if outcome not in ("committed", "committing"):
+                    continue
+                done[part.pos] = True
+                for c in part.dense:
+                    dense_todo[c].discard(part.target)
+            todo = todo[~done[todo]]
+            for c in dense_todo:
+                dense_todo[c] = {h for h in dense_todo[c] if not self.net.is_failed(h)}
+        raise RuntimeError(f"update {step}: not applied after {attempts} attempts")
+
+    def pull(self, g: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of unique ids g; rows of a failed shard are degraded reads at their parity servers."""
+        out = torch.empty(g.numel(), self.ctx.dim)
+        for s, pos, local in self.p.group_by_shard(g):
+            if self.net.is_failed(s):
+                pservers, _ = self.p.parity_of(s, local)
+                for ps in pservers.unique().tolist():
+                    sub = pos[pservers == ps]
+                    out[sub] = self.net.call(WORKER, ps, "degraded_pull", s, g[sub])
+            else:
+                out[pos] = self.net.call(WORKER, s, "pull", g[pos])
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# oracles
+@dataclass
+class Model:
+    """The logical model: row records and versions in global row order, dense records in parameter order."""
+
+    rows: torch.Tensor  # [G, W]
+    versions: torch.Tensor  # [G]
+    dense: torch.Tensor  # [D, Wd]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def assert_same_model(got: Model, want: Model) -> None:
+    bad_rows = (bits(got.rows) != bits(want.rows)).any(dim=1).nonzero().squeeze(1)
+    assert bad_rows.numel() == 0, (
+        f"{bad_rows.numel()} row records differ, first global ids {bad_rows[:8].tolist()}"
+    )
+    bad_vers = (got.versions != want.versions).nonzero().squeeze(1)
+    assert bad_vers.numel() == 0, f"{bad_vers.numel()} row versions differ, first {bad_vers[:8].tolist()}"
+    assert same_bits(got.dense, want.dense), "dense records differ"
+
+
+def logical_model(net: Net) -> Model:
+    """Every row record in global order (from its data server) and each dense chunk from its first live
+    holder. Needs every shard live with its rows and dense chunks rebuilt."""
+    ctx, p = net.ctx, net.ctx.placement
+    g = torch.arange(p.num_rows)
+    rows = torch.empty(p.num_rows, ctx.record_width)
+    versions = torch.empty(p.num_rows, dtype=torch.int64)
+    for s, pos, local in p.group_by_shard(g):
+        store = net[s]
+        assert bool(store.row_ready[local].all()), f"shard {s} has rows not rebuilt yet"
+        rows[pos] = store.rows.records[local]
+        versions[pos] = store.rows.versions[local]
+    dense = []
+    for c in range(ctx.num_servers):
+        holder = next(h for h in ctx.dense_holders(c) if not net.is_failed(h))
+        assert net[holder].dense_ready[c], f"dense chunk {c} not copied yet on {holder}"
+        dense.append(net[holder].dense[c])
+    return Model(rows, versions, torch.cat(dense))
+
+
+def parity_check(net: Net) -> dict:
+    """Invariant I1 on every parity record: == encode(its members), bit-exact for xor (close for sum).
+    `in_flight` counts stripes whose member versions differ from those the parity reflects."""
+    ctx, p = net.ctx, net.ctx.placement
+    code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+    stripes = mismatches = in_flight = 0
+    bad: list[tuple[int, int]] = []
+    for server in range(ctx.num_servers):
+        store = net[server]
+        assert bool(store.parity.ready.all()), f"server {server} has parity records not rebuilt yet"
+        index = torch.arange(store.parity.parity.shape[0])
+        shards, locs, present = p.stripe_members(server, index)
+        members = torch.zeros(p.k, index.numel(), ctx.record_width)
+        mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
+        for s in shards[present].unique().tolist():
+            sel = present & (shards == s)
+            ri, sj = sel.nonzero(as_tuple=True)
+            assert bool(net[s].row_ready[locs[ri, sj]].all()), f"shard {s} has rows not rebuilt yet"
+            members[sj, ri] = net[s].rows.records[locs[ri, sj]]
+            mvers[ri, sj] = net[s].rows.versions[locs[ri, sj]]
+        expected, got = code.encode(members), store.parity.parity
+        if code.name == "xor":
+            ok = (bits(expected) == bits(got)).all(dim=1)
+        else:
+            ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)
+        settled = (mvers == store.parity.pver).all(dim=1)
+        stripes += int(settled.sum())
+        in_flight += int((~settled).sum())
+        wrong = (settled & ~ok).nonzero().squeeze(1)
+        mismatches += wrong.numel()
+        bad += [(server, i) for i in wrong[:4].tolist()]
+    return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight, "bad": bad}
+
+
+def assert_parity_ok(net: Net) -> None:
+    pc = parity_check(net)
+    assert pc["stripes"] > 0 and pc["mismatches"] == 0 and pc["in_flight"] == 0, pc
+
+
+def dense_replica_mismatches(net: Net) -> int:
+    """Dense chunks whose two live replicas differ in any bit."""
+    bad = 0
+    for c in range(net.ctx.num_servers):
+        holders = [h for h in net.ctx.dense_holders(c) if not net.is_failed(h)]
+        if len(holders) == 2:
+            bad += int(not same_bits(net[holders[0]].dense[c], net[holders[1]].dense[c]))
+    return bad

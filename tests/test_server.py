@@ -1,0 +1,179 @@
+"""The parameter server over real gRPC on loopback: correctness of pull/push and rejection of bad input."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from ecrec.core.optim import make_optimizer
+from ecrec.metrics import Metrics
+from ecrec.model import init_embedding_rows
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+from ecrec.server import ParameterServicer, start_grpc
+from ecrec.store import ShardStore
+from ecrec.wire import floats_to_bytes, ids_to_bytes
+from tests.conftest import make_ctx
+
+
+@pytest.fixture
+def served():
+    ctx = make_ctx(servers__replicas=3)
+    store = ShardStore(ctx, 1)
+    servicer = ParameterServicer(store, Metrics("t", "server", "1"), epoch=5)
+    server, port = start_grpc(servicer, "127.0.0.1:0", threads=4)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield ctx, store, pb_grpc.ParameterServerStub(channel)
+    channel.close()
+    server.stop(None)
+
+
+def owned_ids(ctx, shard: int, n: int) -> torch.Tensor:
+    return ctx.placement.global_id(shard, torch.arange(n))
+
+
+def test_store_initializes_rows_from_global_ids(served):
+    ctx, store, _ = served
+    g = owned_ids(ctx, 1, 10)
+    expected = init_embedding_rows(g, ctx.dim, ctx.spec.training.seed)
+    assert torch.equal(store.pull(g), expected)
+
+
+def test_pull_and_push_over_grpc_apply_the_optimizer(served):
+    ctx, store, stub = served
+    g = owned_ids(ctx, 1, 6)
+    before = store.data[ctx.placement.local_row(g)].clone()
+    grads = torch.randn(6, ctx.dim)
+    resp = stub.Push(pb.PushRequest(epoch=5, ids=ids_to_bytes(g), grads=floats_to_bytes(grads), txn="w0-0"))
+    assert resp.applied == 6
+    opt = make_optimizer("adagrad", ctx.spec.training.learning_rate)
+    expected = opt.apply(before, grads)
+    pulled = torch.frombuffer(
+        stub.Pull(pb.PullRequest(epoch=5, ids=ids_to_bytes(g))).rows, dtype=torch.float32
+    )
+    assert torch.equal(pulled.view(6, ctx.dim), expected[:, : ctx.dim])
+    assert torch.equal(store.data[ctx.placement.local_row(g)], expected)  # optimizer state too
+
+
+def test_dense_chunk_push_updates_param_and_state(served):
+    ctx, store, stub = served
+    n = store.chunk_len(1)
+    before = stub.PullDense(pb.DensePullRequest(epoch=5, chunk=1)).values
+    grads = torch.ones(n)
+    stub.PushDense(pb.DensePushRequest(epoch=5, chunk=1, grads=floats_to_bytes(grads)))
+    after = stub.PullDense(pb.DensePullRequest(epoch=5, chunk=1)).values
+    b, a = torch.frombuffer(before, dtype=torch.float32), torch.frombuffer(after, dtype=torch.float32)
+    assert bool((a < b).all())  # a positive gradient moves every parameter down
+
+
+@pytest.mark.parametrize(
+    "make_request, needle",
+    [
+        (lambda g, d: pb.PushRequest(ids=b"\x01\x02\x03", grads=b""), "int64"),
+        (lambda g, d: pb.PushRequest(ids=ids_to_bytes(g), grads=b"\x00" * 12), "grads"),
+        (
+            lambda g, d: pb.PushRequest(
+                ids=ids_to_bytes(g + 1), grads=floats_to_bytes(torch.zeros(len(g), d))
+            ),
+            "not owned",
+        ),
+        (
+            lambda g, d: pb.PushRequest(
+                ids=ids_to_bytes(torch.tensor([-3])), grads=floats_to_bytes(torch.zeros(1, d))
+            ),
+            "in [0",
+        ),
+        (
+            lambda g, d: pb.PushRequest(
+                ids=ids_to_bytes(g), grads=floats_to_bytes(torch.full((len(g), d), float("nan")))
+            ),
+            "NaN",
+        ),
+        (
+            lambda g, d: pb.PushRequest(
+                ids=ids_to_bytes(torch.cat([g, g])), grads=floats_to_bytes(torch.zeros(2 * len(g), d))
+            ),
+            "unique",
+        ),
+    ],
+)
+def test_malformed_push_is_invalid_argument_and_changes_nothing(served, make_request, needle):
+    ctx, store, stub = served
+    g = owned_ids(ctx, 1, 4)
+    snapshot = store.data.clone()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Push(make_request(g, ctx.dim))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in err.value.details()
+    assert torch.equal(store.data, snapshot)
+    # The server keeps serving.
+    rows = stub.Pull(pb.PullRequest(ids=ids_to_bytes(g))).rows
+    assert len(rows) == 4 * ctx.dim * 4
+
+
+def test_unknown_dense_chunk_and_bad_read_are_invalid_argument(served):
+    _, _, stub = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PullDense(pb.DensePullRequest(chunk=0))  # shard 1 holds chunk 1 only (no replication)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ReadRecords(pb.ReadRecordsRequest(kind=pb.DATA, start=10**9))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stale_epoch_is_rejected(served):
+    ctx, _, stub = served
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Pull(pb.PullRequest(epoch=4, ids=ids_to_bytes(owned_ids(ctx, 1, 2))))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale epoch" in err.value.details()
+
+
+def test_read_records_pages_cover_the_table(served):
+    ctx, store, stub = served
+    first = stub.ReadRecords(pb.ReadRecordsRequest(kind=pb.DATA, start=0, count=7))
+    rest = stub.ReadRecords(pb.ReadRecordsRequest(kind=pb.DATA, start=7, count=0))
+    assert first.count == 7 and first.count + rest.count == store.num_rows
+    recs = torch.frombuffer(first.records + rest.records, dtype=torch.float32).view(-1, first.width)
+    assert torch.equal(recs, store.data)
+
+
+def test_store_counters_are_exposed_in_prometheus_format(served):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ecrec.server import StoreCollector
+
+    ctx, store, stub = served
+    m = Metrics("t", "server", "1")
+    m.registry.register(StoreCollector(store, m.labels))
+    store.stats["buffered"] = 3
+    text = generate_latest(m.registry).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    (sample,) = [s for s in fams["ecrec_server_buffered_updates"].samples if s.name.endswith("_total")]
+    assert sample.value == 3 and sample.labels == {"job": "t", "role": "server", "shard": "1"}
+    assert fams["ecrec_server_staged"].samples[0].value == 0
+
+
+def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
+    from ecrec.client import PSClient
+
+    ctx = make_ctx(servers__replicas=5, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=4)
+    stores, servers, shards = [], [], []
+    for s in range(5):
+        store = ShardStore(ctx, s)  # parity encoded at start from the initial records
+        server, port = start_grpc(ParameterServicer(store, Metrics("t", "server", str(s))), "127.0.0.1:0", 4)
+        stores.append(store)
+        servers.append(server)
+        shards.append({"shard": s, "address": f"127.0.0.1:{port}", "state": "up"})
+    client = PSClient(ctx, {"epoch": 1, "shards": shards})
+    try:
+        clean = client.parity_check()
+        assert clean["stripes"] > 0 and clean["mismatches"] == 0 and clean["in_flight"] == 0
+        stores[2].parity.parity[7, 3] += 1.0  # one flipped value in one record
+        assert client.parity_check()["mismatches"] == 1
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(None)

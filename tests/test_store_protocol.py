@@ -1,0 +1,722 @@
+"""The ECRec protocol on in-memory servers (tests/netsim.py): 2PC updates, failures at every protocol step,
+degraded reads and writes, recovery lock group by lock group, and txnTimeout expiry (docs/protocol.md).
+
+Every scenario runs next to a twin Net that applies the same updates without failures; xor parity makes the
+outcome a pure function of the updates, so "a server failed and was rebuilt" must end bit-identical to the
+twin (I2), with every parity record equal to the encoding of its stripe (I1) and no 2PC state left (I4).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ecrec.jobctx import JobContext
+from ecrec.store import Busy, NotOwner, PeerFailed
+from tests.conftest import make_ctx
+from tests.netsim import (
+    WORKER,
+    Model,
+    Net,
+    Part,
+    Worker,
+    assert_parity_ok,
+    assert_same_model,
+    bits,
+    dense_replica_mismatches,
+    logical_model,
+    parity_check,
+    same_bits,
+)
+
+N, K = 5, 4
+Update = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def ecrec_ctx(name: str = "netsim", **extra) -> JobContext:
+    return make_ctx(
+        name, faultTolerance__strategy="ecrec", servers__replicas=N, faultTolerance__ecrec__k=K, **extra
+    )
+
+
+@pytest.fixture(scope="module")
+def ctx() -> JobContext:
+    return ecrec_ctx()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: torch's intra-op thread pool costs ~10x more than it saves on them here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_updates(ctx: JobContext, n: int, seed: int, cold: int = 200) -> list[Update]:
+    """Worker steps: a hot set of rows touched by every step (versions climb, I3) plus random cold rows."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        hot = torch.randperm(120, generator=gen)[:60]
+        rest = torch.randperm(ctx.placement.num_rows, generator=gen)[:cold]
+        g = torch.unique(torch.cat([hot, rest]))
+        g = g[torch.randperm(g.numel(), generator=gen)]
+        grads = torch.randn(g.numel(), ctx.dim, generator=gen)
+        dense = torch.randn(ctx.dense_numel, generator=gen)
+        out.append((f"s{seed}.{i}", g, grads, dense))
+    return out
+
+
+def reference(ctx: JobContext, start: Model, updates: list[Update]) -> Model:
+    """The updates applied with the optimizer directly on the logical model, no servers involved."""
+    opt = ctx.optimizer
+    rows, versions, dense = start.rows.clone(), start.versions.clone(), start.dense.clone()
+    for _step, g, grads, dense_grad in updates:
+        rows[g] = opt.apply(rows[g], grads)
+        versions[g] += 1
+        for lo, hi in ctx.dense_bounds:  # per chunk, as its replicas do
+            dense[lo:hi] = opt.apply(dense[lo:hi], dense_grad[lo:hi].reshape(-1, 1))
+    return Model(rows, versions, dense)
+
+
+def rows_of(ctx: JobContext, s: int, n: int | None = None) -> torch.Tensor:
+    """Global ids of shard s's first n local rows."""
+    n = ctx.placement.rows_on(s) if n is None else n
+    return ctx.placement.global_id(s, torch.arange(n))
+
+
+def lost_rows_at_acting_homes(net: Net, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Records and versions of failed shard s's rows as its acting homes see them (degraded reads)."""
+    p = net.ctx.placement
+    local = torch.arange(p.rows_on(s))
+    recs = torch.empty(local.numel(), net.ctx.record_width)
+    vers = torch.empty(local.numel(), dtype=torch.int64)
+    for ps, pos, _idx in p.group_by_parity(s, local):
+        recs[pos], vers[pos] = net[ps].lost_rows(s, local[pos])
+    return recs, vers
+
+
+def assert_matches_twin(net: Net, twin: Net) -> None:
+    """What every live server holds (rebuilt rows, ready parity records, copied dense chunks) and what the
+    acting homes decode for a failed shard equals the failure-free twin, bit for bit."""
+    for s in range(N):
+        t = twin[s]
+        if net.is_failed(s):
+            recs, vers = lost_rows_at_acting_homes(net, s)
+            assert torch.equal(bits(recs), bits(t.rows.records)), f"decoded rows of failed shard {s} differ"
+            assert torch.equal(vers, t.rows.versions), f"decoded versions of failed shard {s} differ"
+            continue
+        st = net[s]
+        ready = st.row_ready
+        assert torch.equal(bits(st.rows.records[ready]), bits(t.rows.records[ready])), f"rows of {s} differ"
+        assert torch.equal(st.rows.versions[ready], t.rows.versions[ready]), f"versions of {s} differ"
+        pr = st.parity.ready
+        assert torch.equal(bits(st.parity.parity[pr]), bits(t.parity.parity[pr])), f"parity of {s} differs"
+        assert torch.equal(st.parity.pver[pr], t.parity.pver[pr]), f"pver of {s} differs"
+        for c, recs in st.dense.items():
+            if st.dense_ready[c]:
+                assert same_bits(recs, t.dense[c]), f"dense chunk {c} on {s} differs"
+
+
+def assert_fully_recovered(net: Net, twin: Net) -> None:
+    assert all(net[s].recovery_done() for s in range(N))
+    assert_same_model(logical_model(net), logical_model(twin))
+    assert_parity_ok(net)
+    assert net.staged_total() == 0 and twin.staged_total() == 0
+    assert dense_replica_mismatches(net) == 0
+
+
+def part_at(ctx: JobContext, s: int, n: int, step: str = "x", seed: int = 5):
+    """A part of n rows of shard s, its ids and gradients."""
+    g = rows_of(ctx, s, n)
+    grads = torch.randn(n, ctx.dim, generator=torch.Generator().manual_seed(seed))
+    return Part(s, -1, torch.arange(n), f"{step}/{s}.-1.0"), g, grads
+
+
+# -- the update path without failures ------------------------------------------------------------------------
+def test_initial_parity_encodes_the_initial_rows(ctx):
+    net = Net(ctx)
+    pc = parity_check(net)
+    assert pc["mismatches"] == 0 and pc["in_flight"] == 0
+    assert pc["stripes"] == sum(ctx.placement.parity_rows_on(s) for s in range(N))
+
+
+def test_two_phase_updates_keep_parity_and_equal_the_optimizer_applied_directly(ctx):
+    net = Net(ctx)
+    start = logical_model(net)
+    updates = make_updates(ctx, 6, seed=1)
+    w = Worker(net)
+    for u in updates:
+        w.update(*u)
+    assert_same_model(logical_model(net), reference(ctx, start, updates))
+    assert int(logical_model(net).versions.max()) == len(updates)  # the hot rows were updated every step
+    assert_parity_ok(net)
+    assert net.staged_total() == 0 and dense_replica_mismatches(net) == 0
+
+
+def test_updates_without_two_phase_commit_keep_parity_and_equal_the_optimizer(ctx):
+    net = Net(ctx)
+    start = logical_model(net)
+    updates = make_updates(ctx, 4, seed=2)
+    for step, g, grads, dense_grad in updates:
+        for s, pos, _local in ctx.placement.group_by_shard(g):
+            net.call(WORKER, s, "push", g[pos], grads[pos], f"{step}/{s}")
+        for c, (lo, hi) in enumerate(ctx.dense_bounds):
+            for h in ctx.dense_holders(c):
+                net.call(WORKER, h, "push_dense", c, dense_grad[lo:hi])
+    assert_same_model(logical_model(net), reference(ctx, start, updates))
+    assert_parity_ok(net)
+    assert net.staged_total() == 0 and dense_replica_mismatches(net) == 0
+
+
+def test_staged_part_is_invisible_to_reads_and_parity_until_commit(ctx):
+    net = Net(ctx)
+    s = 2
+    part, g, grads = part_at(ctx, s, 40)
+    chunk = ctx.dense_chunks_of(s)[0]
+    lo, hi = ctx.dense_bounds[chunk]
+    dense_grad = torch.randn(hi - lo, generator=torch.Generator().manual_seed(9))
+    before = logical_model(net)
+    parity_before = {q: net[q].parity.parity.clone() for q in range(N)}
+    pulled_before = Worker(net).pull(g)
+
+    assert net.call(WORKER, s, "stage", part.txn, g, grads, -1, {chunk: dense_grad}) == 40
+    pservers = sorted(set(ctx.placement.parity_of(s, part.pos)[0].tolist()))
+    assert len(pservers) == K  # 40 consecutive local rows have all K parity servers
+    for q in pservers:
+        assert (part.txn, s) in net[q].parity.staged
+    assert torch.equal(bits(Worker(net).pull(g)), bits(pulled_before))
+    assert same_bits(net[s].pull_dense(chunk), before.dense[lo:hi, 0])
+    assert_same_model(logical_model(net), before)
+    for q in range(N):
+        assert same_bits(net[q].parity.parity, parity_before[q])
+    assert_parity_ok(net)
+
+    assert net.call(WORKER, s, "commit", part.txn) == "committed"
+    want = reference(ctx, before, [])
+    want.rows[g] = ctx.optimizer.apply(before.rows[g], grads)
+    want.versions[g] += 1
+    want.dense[lo:hi] = ctx.optimizer.apply(before.dense[lo:hi], dense_grad.reshape(-1, 1))
+    got = logical_model(net)
+    assert torch.equal(bits(got.rows), bits(want.rows)) and torch.equal(got.versions, want.versions)
+    assert same_bits(net[s].dense[chunk], want.dense[lo:hi])  # the other replica is staged separately
+    assert torch.equal(bits(Worker(net).pull(g)), bits(want.rows[g, : ctx.dim]))
+    assert_parity_ok(net)
+    assert net.staged_total() == 0
+
+
+def test_hot_row_is_staged_by_one_txn_at_a_time_and_the_next_builds_on_the_commit(ctx):
+    net = Net(ctx, wait_timeout=0.2)
+    s = 1
+    start = logical_model(net)
+    g1, g2 = rows_of(ctx, s, 8), rows_of(ctx, s, 12)[4:]  # 4 rows in common
+    gen = torch.Generator().manual_seed(3)
+    grads1, grads2 = torch.randn(8, ctx.dim, generator=gen), torch.randn(8, ctx.dim, generator=gen)
+    net.call(WORKER, s, "stage", "a/1", g1, grads1)
+    with pytest.raises(Busy):
+        net.call(WORKER, s, "stage", "b/1", g2, grads2)
+    assert "b/1" not in net[s].rows.staged
+    assert all(("b/1", s) not in net[q].parity.staged for q in range(N))
+    net.call(WORKER, s, "commit", "a/1")
+    net.call(WORKER, s, "stage", "b/1", g2, grads2)
+    net.call(WORKER, s, "commit", "b/1")
+
+    opt, want = ctx.optimizer, start.rows.clone()
+    want[g1] = opt.apply(want[g1], grads1)
+    want[g2] = opt.apply(want[g2], grads2)  # the second update built on the first's committed records
+    got = logical_model(net)
+    assert torch.equal(bits(got.rows), bits(want))
+    assert got.versions[g1[4:]].tolist() == [2] * 4
+    assert_parity_ok(net)
+
+
+# -- failures during a part ----------------------------------------------------------------------------------
+S, Q = 2, 4  # the data server of the faulty part, and one of its parity servers
+
+# fault -> (victim, Net.kill_at match): the victim dies at that point of the first update after it is armed.
+FAULTS = {
+    # data server S dies before acking its stage: the worker aborts on its behalf, then writes degraded
+    "data-before-its-deltas": (S, dict(method="receive_deltas", caller=S, phase="before")),
+    "data-after-one-delta-staged": (S, dict(method="receive_deltas", caller=S, phase="after")),
+    "data-after-all-deltas-staged": (S, dict(method="stage", caller=WORKER, server=S, phase="after")),
+    # data server S dies after acking its stage: the worker commits on its behalf
+    "data-before-commit": (S, dict(method="commit", caller=WORKER, server=S, phase="before")),
+    "data-mid-commit-forward": (S, dict(method="decide_deltas", caller=S, phase="after")),
+    "data-after-commit-applied": (S, dict(method="commit", caller=WORKER, server=S, phase="after")),
+    # parity server Q dies: S skips it; Q's parity is re-encoded when Q is rebuilt
+    "parity-before-delta": (Q, dict(method="receive_deltas", caller=S, server=Q, phase="before")),
+    "parity-after-delta": (Q, dict(method="receive_deltas", caller=S, server=Q, phase="after")),
+    "parity-before-commit": (Q, dict(method="decide_deltas", caller=S, server=Q, phase="before")),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_single_failure_at_any_step_recovers_bit_identical_to_no_failure(ctx, fault):
+    victim, match = FAULTS[fault]
+    net, twin = Net(ctx), Net(ctx)
+    w, tw = Worker(net), Worker(twin)
+    updates = make_updates(ctx, 12, seed=4)
+    for u in updates[:2]:
+        w.update(*u)
+        tw.update(*u)
+    net.kill_at(victim=victim, **match)
+    w.update(*updates[2])
+    tw.update(*updates[2])
+    assert net.is_failed(victim), "the fault point was not reached"
+    assert_matches_twin(net, twin)  # degraded reads see the update exactly once
+
+    for u in updates[3:5]:  # degraded writes of the victim's rows at their acting homes
+        w.update(*u)
+        tw.update(*u)
+    lost = rows_of(ctx, victim)
+    assert torch.equal(bits(w.pull(lost)), bits(twin[victim].rows.records[:, : ctx.dim]))
+    assert_matches_twin(net, twin)
+
+    net.replace(victim)
+    more = iter(updates[5:])
+
+    def between(i: int) -> None:  # updates while the rebuild is under way, lock group by lock group
+        u = next(more, None)
+        if u is not None:
+            w.update(*u)
+            tw.update(*u)
+            assert_matches_twin(net, twin)
+
+    assert net.recover(victim, lock_group_rows=200, between=between) == 1 + 5 + 2
+    assert next(more, None) is None
+    assert_fully_recovered(net, twin)
+
+
+@pytest.mark.parametrize(
+    "method, caller, server, phase",
+    [
+        ("stage", WORKER, S, "after"),  # the stage answer is lost: the worker aborts the part and retries
+        ("commit", WORKER, S, "after"),  # the commit answer is lost: asked again, idempotent
+        ("commit", WORKER, S, "before"),
+        ("receive_deltas", S, Q, "before"),  # a delta is lost on the way: S sends it again
+        ("decide_deltas", S, Q, "before"),
+        ("decide_deltas", S, Q, "after"),  # a commit decision's answer is lost: sent again, idempotent
+    ],
+)
+def test_lost_messages_between_live_servers_change_nothing(ctx, method, caller, server, phase):
+    net, twin = Net(ctx), Net(ctx)
+    updates = make_updates(ctx, 3, seed=6)
+    for i, u in enumerate(updates):
+        if i == 1:
+            net.lose_at(method, caller=caller, server=server, phase=phase)
+        Worker(net).update(*u)
+        Worker(twin).update(*u)
+    assert not net.hooks, "the message was never sent"
+    assert_fully_recovered(net, twin)
+
+
+def test_delta_redelivered_after_a_lost_ack_is_applied_once(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    for n in (net, twin):
+        if n is net:  # Q staged the delta but its answer is lost: S confirms Q alive and sends it again
+            n.lose_at("receive_deltas", caller=S, server=Q, phase="after")
+        n.call(WORKER, S, "stage", part.txn, g, grads)
+        n.call(WORKER, S, "commit", part.txn)
+    assert not net.hooks
+    assert_fully_recovered(net, twin)
+
+
+def test_retried_stage_of_the_same_txn_is_applied_once(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    for n in (net, twin):
+        n.call(WORKER, S, "stage", part.txn, g, grads)
+        if n is net:
+            n.call(WORKER, S, "stage", part.txn, g, grads)  # the worker's retry of an unanswered stage
+        n.call(WORKER, S, "commit", part.txn)
+    assert_fully_recovered(net, twin)
+
+
+def test_parity_servers_hold_no_trace_of_a_part_aborted_on_behalf_of_its_dead_server(ctx):
+    net = Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    parity_before = {q: net[q].parity.parity.clone() for q in range(N)}
+    net.kill_at("stage", victim=S, caller=WORKER, server=S, phase="after")
+    with pytest.raises(PeerFailed):
+        Worker(net).stage(part, g, grads, None)
+    assert any((part.txn, S) in net[q].parity.staged for q in net.live())
+    outcomes = Worker(net).decide_on_behalf(part, g, commit=False)
+    assert outcomes == ["aborted"] * K
+    for q in net.live():
+        assert net[q].staged_count() == 0 and net[q].parity.resolved[(part.txn, S)] == "aborted"
+        assert same_bits(net[q].parity.parity, parity_before[q])
+
+
+def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):
+    net, twin = Net(ctx, wait_timeout=0.2), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    twin.call(WORKER, S, "stage", part.txn, g, grads)
+    twin.call(WORKER, S, "commit", part.txn)
+    net.call(WORKER, S, "stage", part.txn, g, grads)  # acked
+    net.kill(S)
+    # Before the worker commits on S's behalf, the acting home must not build on the undecided delta.
+    gen = torch.Generator().manual_seed(8)
+    more = torch.randn(40, ctx.dim, generator=gen)
+    ps = int(ctx.placement.parity_of(S, part.pos)[0][0])
+    sub = g[ctx.placement.parity_of(S, part.pos)[0] == ps]
+    with pytest.raises(Busy):
+        net.call(WORKER, ps, "stage", "y/1", sub, more[: sub.numel()], S)
+    Worker(net).decide_on_behalf(part, g, commit=True)
+    net.call(WORKER, ps, "stage", "y/1", sub, more[: sub.numel()], S)
+    net.call(WORKER, ps, "commit", "y/1")
+    twin.call(WORKER, S, "stage", "y/1", sub, more[: sub.numel()])
+    twin.call(WORKER, S, "commit", "y/1")
+    assert_matches_twin(net, twin)
+
+
+def test_degraded_read_of_a_failed_shard_equals_its_rows(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    for u in make_updates(ctx, 3, seed=7):
+        Worker(net).update(*u)
+        Worker(twin).update(*u)
+    net.kill(S)
+    g = rows_of(ctx, S)
+    g = g[torch.randperm(g.numel(), generator=torch.Generator().manual_seed(1))]
+    want = twin[S].rows.records[ctx.placement.local_row(g), : ctx.dim]
+    assert torch.equal(bits(Worker(net).pull(g)), bits(want))
+    assert torch.equal(bits(Worker(net).pull(g)), bits(want))  # again, from the materialized rows
+    recs, vers = lost_rows_at_acting_homes(net, S)
+    assert torch.equal(bits(recs), bits(twin[S].rows.records)) and torch.equal(vers, twin[S].rows.versions)
+    assert net.call(WORKER, Q, "degraded_pull", S, torch.empty(0, dtype=torch.int64)).shape == (0, ctx.dim)
+
+
+def test_staged_degraded_write_is_invisible_until_commit(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    net.kill(S)
+    p = ctx.placement
+    local = torch.arange(40)
+    ps = p.parity_of(S, local)[0]
+    sub = p.global_id(S, local[ps == Q])
+    grads = torch.randn(sub.numel(), ctx.dim, generator=torch.Generator().manual_seed(2))
+    before = net.call(WORKER, Q, "degraded_pull", S, sub)
+    parity_before = net[Q].parity.parity.clone()
+    assert net.call(WORKER, Q, "stage", "d/1", sub, grads, S) == sub.numel()
+    assert torch.equal(bits(net.call(WORKER, Q, "degraded_pull", S, sub)), bits(before))
+    assert same_bits(net[Q].parity.parity, parity_before)
+    assert net.call(WORKER, Q, "commit", "d/1") == "committed"
+    twin.call(WORKER, S, "stage", "d/1", sub, grads)
+    twin.call(WORKER, S, "commit", "d/1")
+    want = twin[S].rows.records[p.local_row(sub), : ctx.dim]
+    assert torch.equal(bits(net.call(WORKER, Q, "degraded_pull", S, sub)), bits(want))
+    assert_matches_twin(net, twin)
+
+
+def test_acting_home_rereads_rows_when_a_dead_servers_delta_is_committed_on_its_behalf(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    net.call(WORKER, S, "stage", part.txn, g, grads)  # acked, then S dies before the commit
+    net.kill(S)
+    old = Worker(net).pull(g)  # decoded from committed state and materialized at the acting homes
+    assert torch.equal(bits(old), bits(twin[S].rows.records[:40, : ctx.dim]))
+    Worker(net).decide_on_behalf(part, g, commit=True)
+    twin.call(WORKER, S, "stage", part.txn, g, grads)
+    twin.call(WORKER, S, "commit", part.txn)
+    assert torch.equal(bits(Worker(net).pull(g)), bits(twin[S].rows.records[:40, : ctx.dim]))
+    assert_matches_twin(net, twin)
+
+
+def test_second_failure_of_a_shard_does_not_reuse_rows_materialized_in_the_first(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    w, tw = Worker(net), Worker(twin)
+    updates = make_updates(ctx, 4, seed=8)
+    net.kill(S)
+    w.update(*updates[0])
+    tw.update(*updates[0])
+    w.pull(rows_of(ctx, S))  # every lost row materialized at its acting home
+    net.replace(S)
+    net.recover(S, lock_group_rows=400)
+    w.update(*updates[1])
+    tw.update(*updates[1])
+    # Updates without 2PC reach the acting homes only as immediate deltas (no decide_deltas to invalidate
+    # materialized rows): only the new failure's fresh cache keeps them from serving stale rows.
+    for n in (net, twin):
+        step, g, grads, _dense = updates[2]
+        for s, pos, _local in ctx.placement.group_by_shard(g):
+            n.call(WORKER, s, "push", g[pos], grads[pos], f"{step}/{s}")
+    net.kill(S)
+    assert torch.equal(bits(w.pull(rows_of(ctx, S))), bits(twin[S].rows.records[:, : ctx.dim]))
+    w.update(*updates[3])
+    tw.update(*updates[3])
+    assert_matches_twin(net, twin)
+
+
+def test_degraded_write_is_refused_once_the_shard_has_a_replacement(ctx):
+    net = Net(ctx)
+    net.kill(S)
+    sub = ctx.placement.global_id(S, torch.tensor([0]))
+    ps = int(ctx.placement.parity_of(S, torch.tensor([0]))[0][0])
+    net.call(WORKER, ps, "degraded_pull", S, sub)
+    assert S in net[ps].acting_cache
+    net.replace(S)
+    with pytest.raises(NotOwner):
+        net.call(WORKER, ps, "stage", "z/1", sub, torch.ones(1, ctx.dim), S)
+    with pytest.raises(NotOwner):
+        net.call(WORKER, ps, "degraded_pull", S, sub)
+    assert S not in net[ps].acting_cache
+    assert net[ps].staged_count() == 0
+
+
+# -- recovery ------------------------------------------------------------------------------------------------
+def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_members_do_not_reflect(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    net.kill(Q)
+    rep = net.replace(Q)
+    net.call(WORKER, Q, "copy_dense")
+    net.call(WORKER, Q, "rebuild_rows", torch.arange(rep.num_rows))
+    a, ga, grads_a = part_at(ctx, S, 40, step="a", seed=1)
+    b, gb, grads_b = part_at(ctx, 1, 40, step="b", seed=2)
+    seen = {}
+
+    threads = []
+
+    def rebuild_parity(_call) -> None:
+        # Q has applied S's commit, S has not yet. The rebuild runs concurrently, as in a server: its reads
+        # of S's rows wait until S has finished the commit, and the kept delta must then not be re-applied.
+        seen["pending"] = len(rep.parity.pending)
+        seen["staged"] = len(rep.parity.staged)
+        t = threading.Thread(
+            target=net.call, args=(WORKER, Q, "rebuild_parity", torch.arange(rep.parity.parity.shape[0]))
+        )
+        t.start()
+        threads.append(t)
+
+    net.on("decide_deltas", rebuild_parity, caller=S, server=Q, phase="after")
+    for n in (net, twin):
+        n.call(WORKER, 1, "stage", b.txn, gb, grads_b)  # staged at Q before its records are rebuilt...
+        n.call(WORKER, S, "stage", a.txn, ga, grads_a)
+        n.call(WORKER, S, "commit", a.txn)
+        n.call(WORKER, 1, "commit", b.txn)  # ...committed after (the rebuild waits for both parts)
+        for t in threads:
+            t.join()
+    assert seen == {"pending": 1, "staged": 1}
+    assert rep.parity.pending == []
+    assert_fully_recovered(net, twin)
+
+
+def test_parity_rebuilt_between_a_stage_and_its_commit_still_gets_the_update(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    for n in (net, twin):
+        n.call(WORKER, S, "stage", part.txn, g, grads)  # the delta is staged at Q
+    net.kill(Q)  # Q dies with the staged delta; its replacement is rebuilt while the worker has not committed
+    net.replace(Q)
+    rebuild = threading.Thread(target=net.recover, args=(Q,), kwargs={"lock_group_rows": 1000})
+    rebuild.start()
+    time.sleep(0.3)  # re-encoding the parity of S's staged rows waits for the commit
+    assert rebuild.is_alive()
+    for n in (net, twin):
+        assert n.call(WORKER, S, "commit", part.txn) == "committed"
+    rebuild.join()
+    assert_fully_recovered(net, twin)
+
+
+def test_rebuild_waits_for_a_degraded_write_staged_before_the_replacement(ctx):
+    net, twin = Net(ctx, wait_timeout=0.2), Net(ctx)
+    net.kill(S)
+    local = torch.tensor([1, 5, 9])  # all with parity on the same server
+    ps = int(ctx.placement.parity_of(S, local)[0][0])
+    g = ctx.placement.global_id(S, local)
+    grads = torch.randn(3, ctx.dim, generator=torch.Generator().manual_seed(3))
+    net.call(WORKER, ps, "stage", "d/1", g, grads, S)
+    rep = net.replace(S)
+    with pytest.raises(PeerFailed):  # the acting home holds the rows: the rebuild must not read around it
+        net.call(WORKER, S, "rebuild_rows", local)
+    assert not bool(rep.row_ready[local].any()) and not rep.rows.locks.busy(local)
+    assert net.call(WORKER, ps, "commit", "d/1") == "committed"
+    assert net.call(WORKER, S, "rebuild_rows", local) == 3
+    twin.call(WORKER, S, "stage", "d/1", g, grads)
+    twin.call(WORKER, S, "commit", "d/1")
+    assert_matches_twin(net, twin)
+    net.recover(S, lock_group_rows=500)
+    assert_fully_recovered(net, twin)
+
+
+def test_replacement_dying_mid_recovery_loses_nothing(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    w, tw = Worker(net), Worker(twin)
+    updates = iter(make_updates(ctx, 9, seed=13))
+
+    def step() -> None:
+        u = next(updates)
+        w.update(*u)
+        tw.update(*u)
+
+    step()
+    net.kill(S)
+    step()
+    rep = net.replace(S)
+    rep.copy_dense()
+    net.call(WORKER, S, "rebuild_rows", torch.arange(300))
+    step()  # updates the rebuilt rows normally and rebuilds others on demand
+    assert 300 < int(rep.row_ready.sum()) < rep.num_rows
+    net.kill(S)  # the replacement dies with part of its rows rebuilt and none of its parity
+    assert_matches_twin(net, twin)
+    step()
+    net.replace(S)
+    net.recover(S, lock_group_rows=250, between=lambda i: step() if i in (1, 3, 5) else None)
+    step()
+    assert_fully_recovered(net, twin)
+
+
+def test_recovery_by_lock_groups_rebuilds_rows_on_demand_between_groups(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    w, tw = Worker(net), Worker(twin)
+    updates = make_updates(ctx, 9, seed=9)
+    for u in updates[:2]:
+        w.update(*u)
+        tw.update(*u)
+    net.kill(S)
+    for u in updates[2:4]:
+        w.update(*u)
+        tw.update(*u)
+    rep = net.replace(S)
+    assert not bool(rep.row_ready.any()) and not bool(rep.parity.ready.any())
+    on_demand = []
+    more = iter(updates[4:])
+
+    def between(i: int) -> None:
+        u = next(more, None)
+        if u is None:
+            return
+        ready = rep.row_ready.clone()
+        w.update(*u)
+        tw.update(*u)
+        on_demand.append(int((rep.row_ready & ~ready).sum()))
+        assert_matches_twin(net, twin)
+
+    # Groups of 300 rows: rows touched by an update are rebuilt before their group is reached.
+    assert net.recover(S, lock_group_rows=300, between=between) == 1 + 3 + 1
+    assert on_demand[0] > 0  # the first update after the dense copy needed rows not rebuilt yet
+    assert rep.stats["rows_recovered"] == ctx.placement.rows_on(S)  # every row rebuilt exactly once
+    assert_fully_recovered(net, twin)
+
+
+def test_pull_at_a_replacement_rebuilds_the_rows_it_needs(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    for u in make_updates(ctx, 2, seed=10):
+        Worker(net).update(*u)
+        Worker(twin).update(*u)
+    net.kill(S)
+    rep = net.replace(S)
+    g = rows_of(ctx, S, 30)[::3]
+    assert torch.equal(bits(Worker(net).pull(g)), bits(twin[S].rows.records[:30:3, : ctx.dim]))
+    assert int(rep.row_ready.sum()) == 10
+    net.recover(S, lock_group_rows=1000)
+    assert_fully_recovered(net, twin)
+
+
+def test_replacement_skips_dense_steps_its_copy_already_contains(ctx):
+    net, twin = Net(ctx), Net(ctx)
+    chunk = ctx.dense_chunks_of(S)[0]
+    other = next(h for h in ctx.dense_holders(chunk) if h != S)
+    lo, hi = ctx.dense_bounds[chunk]
+    grad = torch.randn(hi - lo, generator=torch.Generator().manual_seed(4))
+    none = torch.empty(0, dtype=torch.int64), torch.empty(0, ctx.dim)
+    net.kill(S)
+    # Step "7" reached the surviving replica; then S's replacement copies the chunk.
+    net.call(WORKER, other, "stage", f"7/{other}.-1.0", *none, -1, {chunk: grad})
+    net.call(WORKER, other, "commit", f"7/{other}.-1.0")
+    epoch_before = net.epoch
+    rep = net.replace(S)  # a new map: the copy is made under it
+    assert rep.epoch > epoch_before
+    net.call(WORKER, S, "copy_dense")
+    assert same_bits(rep.dense[chunk], net[other].dense[chunk])
+    # A stage of the same step that reaches the replacement late is not applied twice...
+    net.call(WORKER, S, "stage", f"7/{S}.-1.1", *none, -1, {chunk: grad})
+    assert net.call(WORKER, S, "commit", f"7/{S}.-1.1") == "committed"
+    assert same_bits(rep.dense[chunk], net[other].dense[chunk])
+    # ...the survivor refuses stages of the chunk built on the map before the replacement...
+    with pytest.raises(NotOwner):
+        net.call(WORKER, other, "stage", f"8/{other}.-1.0", *none, -1, {chunk: grad}, epoch_before)
+    # ...and later steps apply on both replicas alike.
+    for h in (S, other):
+        net.call(WORKER, h, "stage", f"8/{h}.-1.0", *none, -1, {chunk: grad}, rep.epoch)
+        net.call(WORKER, h, "commit", f"8/{h}.-1.0")
+    for step in ("7", "8"):
+        for h in ctx.dense_holders(chunk):
+            twin.call(WORKER, h, "stage", f"{step}/{h}.-1.0", *none, -1, {chunk: grad})
+            twin.call(WORKER, h, "commit", f"{step}/{h}.-1.0")
+    assert same_bits(rep.dense[chunk], twin[S].dense[chunk])
+    assert same_bits(net[other].dense[chunk], twin[other].dense[chunk])
+
+
+# -- txnTimeout ----------------------------------------------------------------------------------------------
+def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
+    net = Net(ctx, txn_timeout=5.0)
+    part, g, grads = part_at(ctx, S, 40)
+    before = logical_model(net)
+    net.call(WORKER, S, "stage", part.txn, g, grads)  # then the worker dies: no commit
+    pservers = sorted(set(ctx.placement.parity_of(S, part.pos)[0].tolist()))
+    net.clock.advance(4.0)
+    assert net[S].expire() == []  # not yet
+    assert net[S].rows.locks.busy(part.pos)
+    net.clock.advance(2.0)
+    assert net[S].expire() == [part.txn]
+    assert not net[S].rows.locks.busy(part.pos) and net[S].rows.staged == {}
+    for q in pservers:
+        assert (part.txn, S) not in net[q].parity.staged
+        assert net[q].parity.resolved[(part.txn, S)] == "aborted"
+    assert net.staged_total() == 0
+    # A late commit from the worker is refused; the model is untouched; the rows take new stages at once.
+    assert net.call(WORKER, S, "commit", part.txn) == "aborted"
+    assert_same_model(logical_model(net), before)
+    assert_parity_ok(net)
+    net.call(WORKER, S, "stage", "again/1", g, grads)
+    net.call(WORKER, S, "commit", "again/1")
+    assert logical_model(net).versions[g].tolist() == [1] * 40
+    assert_parity_ok(net)
+
+
+def test_expiry_and_abort_leave_a_part_whose_commit_is_being_forwarded(ctx):
+    net, twin = Net(ctx, txn_timeout=5.0), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    net.call(WORKER, S, "stage", part.txn, g, grads)
+    seen = {}
+
+    def late_expiry(_call) -> None:  # the timeout fires while S forwards the commit
+        net.clock.advance(60.0)
+        seen["expired"] = net[S].expire()
+        seen["abort"] = net[S].abort(part.txn)
+
+    net.on("decide_deltas", late_expiry, caller=S, phase="before")
+    assert net.call(WORKER, S, "commit", part.txn) == "committed"
+    assert seen == {"expired": [], "abort": "committing"}
+    twin.call(WORKER, S, "stage", part.txn, g, grads)
+    twin.call(WORKER, S, "commit", part.txn)
+    assert_fully_recovered(net, twin)
+
+
+def test_expired_degraded_write_releases_the_failed_shards_rows(ctx):
+    net = Net(ctx, wait_timeout=0.2, txn_timeout=5.0)
+    net.kill(S)
+    sub = ctx.placement.global_id(S, torch.tensor([0, 4, 8]))
+    ps = int(ctx.placement.parity_of(S, torch.tensor([0]))[0][0])
+    net.call(WORKER, ps, "stage", "w/1", sub, torch.ones(3, ctx.dim), S)  # then the worker dies
+    net.clock.advance(60.0)
+    assert net[ps].expire() == ["w/1"]
+    assert net[ps].staged_count() == 0
+    net.call(WORKER, ps, "stage", "w2/1", sub, torch.ones(3, ctx.dim), S)  # another worker's write
+
+
+def test_sum_code_keeps_parity_within_rounding_and_decodes_close_rows():
+    ctx = ecrec_ctx("netsim-sum", faultTolerance__ecrec__code="sum")
+    net, twin = Net(ctx), Net(ctx)
+    for u in make_updates(ctx, 3, seed=12):
+        Worker(net).update(*u)
+        Worker(twin).update(*u)
+    pc = parity_check(net)
+    assert pc["stripes"] > 0 and pc["mismatches"] == 0 and pc["in_flight"] == 0
+    net.kill(S)
+    got = Worker(net).pull(rows_of(ctx, S))
+    want = twin[S].rows.records[:, : ctx.dim]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)

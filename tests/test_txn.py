@@ -1,0 +1,323 @@
+"""The 2PC participants and the recovery plan as plain state (core/txn.py, core/recovery.py): row locks,
+staging and deciding a part on its data server, staged deltas and rebuilt records on a parity server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ecrec.core.codes import make_code
+from ecrec.core.optim import make_optimizer
+from ecrec.core.placement import Placement
+from ecrec.core.recovery import Step, plan_recovery
+from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks, RowsBusy, UnknownTxn
+
+N, K, DIM = 5, 4, 3
+P = Placement(num_servers=N, k=K, num_rows=N * K * 3)  # 12 rows and 3 parity indices per server
+CODE = make_code("xor")
+OPT = make_optimizer("adagrad", 0.1)
+W = OPT.record_width(DIM)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def rows(*ids: int) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def data_participant(shard: int = 1, seed: int = 0) -> DataParticipant:
+    gen = torch.Generator().manual_seed(seed)
+    n = P.rows_on(shard)
+    records = OPT.init_records(torch.randn(n, DIM, generator=gen))
+    return DataParticipant(shard, P, CODE, OPT, records, torch.randint(0, 5, (n,), generator=gen))
+
+
+def grads_for(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(n, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+# -- RowLocks -------------------------------------------------------------------------------------------------
+def test_row_locks_are_all_or_nothing():
+    locks = RowLocks(10)
+    locks.lock("a", rows(1, 2))
+    before = locks.owner.clone()
+    with pytest.raises(RowsBusy):
+        locks.lock("b", rows(5, 6, 2))  # row 2 is a's: none of b's rows may be taken
+    assert torch.equal(locks.owner, before)
+    assert locks.holders() == ["a"]
+    assert not locks.busy(rows(5, 6))
+    locks.lock("b", rows(5, 6))
+    assert locks.holders() == ["a", "b"]
+
+
+def test_row_locks_let_the_same_txn_lock_again_and_unlock_frees_exactly_its_rows():
+    locks = RowLocks(10)
+    locks.lock("a", rows(1, 2))
+    locks.lock("b", rows(7))
+    locks.lock("a", rows(2, 3))  # re-lock by the holder, overlapping its own rows: allowed
+    assert locks.busy(rows(3), "b") and not locks.busy(rows(1, 2, 3), "a")
+    freed = locks.unlock("a")
+    assert sorted(set(freed.tolist())) == [1, 2, 3]
+    assert not locks.busy(rows(0, 1, 2, 3, 4, 5, 6, 8, 9))
+    assert locks.busy(rows(7)) and not locks.busy(rows(7), "b")
+    assert locks.holders() == ["b"]
+    assert locks.unlock("a").numel() == 0  # unknown/already unlocked: nothing to free
+    locks.lock("c", rows(1, 2))  # a's former rows are free for others
+    assert locks.busy(rows(1), "b")
+
+
+def test_row_locks_busy_sees_other_holders_only():
+    locks = RowLocks(6)
+    assert not locks.busy(rows(0, 1, 2, 3, 4, 5))
+    locks.lock("a", rows(4))
+    assert locks.busy(rows(0, 4)) and locks.busy(rows(4), "other")
+    assert not locks.busy(rows(4), "a") and not locks.busy(rows(0, 1), "other")
+
+
+# -- DataParticipant -----------------------------------------------------------------------------------------
+def test_stage_computes_records_deltas_and_batches_per_parity_server():
+    dp = data_participant(shard=1)
+    local = rows(0, 1, 2, 3, 5, 6, 11)
+    old_records, old_versions = dp.records.clone(), dp.versions.clone()
+    g = grads_for(local.numel())
+    part = dp.stage("t1", local, g, now=10.0)
+
+    want = OPT.apply(old_records[local], g)
+    assert torch.equal(bits(part.new), bits(want))
+    assert torch.equal(part.rows, local)
+    # Nothing is applied by a stage.
+    assert torch.equal(bits(dp.records), bits(old_records)) and torch.equal(dp.versions, old_versions)
+
+    # Every row appears in exactly one batch, addressed to its parity server, with its delta and next version.
+    servers, index = P.parity_of(1, local)
+    seen = []
+    for b in part.batches:
+        assert b.txn == "t1" and b.src == 1
+        back = b.index * K + b.slot  # local row of this shard in the stripe
+        for row, idx, slot, delta, version in zip(back, b.index, b.slot, b.delta, b.version, strict=True):
+            pos = int((local == row).nonzero())
+            seen.append(int(row))
+            assert int(servers[pos]) == b.parity_server and int(index[pos]) == int(idx)
+            assert int(slot) == int(row) % K
+            assert torch.equal(bits(delta), bits(CODE.delta(old_records[row], want[pos])))
+            assert int(version) == int(old_versions[row]) + 1
+    assert sorted(seen) == sorted(local.tolist())
+    assert len({b.parity_server for b in part.batches}) == len(part.batches)  # one batch per server
+    assert set(part.parity_servers) == set(servers.tolist())
+    assert dp.locks.busy(local) and not dp.locks.busy(rows(4, 7))
+
+
+def test_stage_of_a_busy_row_raises_rows_busy_and_changes_nothing():
+    dp = data_participant()
+    dp.stage("t1", rows(2, 3), grads_for(2), now=0.0)
+    owner = dp.locks.owner.clone()
+    with pytest.raises(RowsBusy):
+        dp.stage("t2", rows(4, 3), grads_for(2), now=0.0)
+    assert "t2" not in dp.staged and torch.equal(dp.locks.owner, owner)
+    dp.stage("t3", rows(4), grads_for(1), now=0.0)  # disjoint rows stage concurrently
+
+
+def test_repeated_stage_of_the_same_txn_returns_the_same_part():
+    dp = data_participant()
+    part = dp.stage("t1", rows(2, 3), grads_for(2, seed=1), now=0.0)
+    again = dp.stage("t1", rows(2, 3), grads_for(2, seed=2), now=5.0)
+    assert again is part and part.staged_at == 0.0
+    dp.commit("t1")
+    assert torch.equal(bits(dp.records[rows(2, 3)]), bits(part.new))
+
+
+def test_commit_applies_records_bumps_versions_and_releases():
+    dp = data_participant()
+    local = rows(0, 5, 9)
+    before, vers = dp.records.clone(), dp.versions.clone()
+    part = dp.stage("t1", local, grads_for(3), now=0.0)
+    changed = dp.commit("t1")
+    assert torch.equal(changed, local)
+    assert torch.equal(bits(dp.records[local]), bits(part.new))
+    assert torch.equal(dp.versions[local], vers[local] + 1)
+    others = torch.ones(dp.records.shape[0], dtype=torch.bool)
+    others[local] = False
+    assert torch.equal(bits(dp.records[others]), bits(before[others]))
+    assert torch.equal(dp.versions[others], vers[others])
+    assert not dp.locks.busy(local) and "t1" not in dp.staged
+    with pytest.raises(UnknownTxn):
+        dp.commit("t1")
+
+
+def test_abort_releases_without_applying():
+    dp = data_participant()
+    local = rows(1, 2)
+    before, vers = dp.records.clone(), dp.versions.clone()
+    part = dp.stage("t1", local, grads_for(2), now=0.0)
+    assert dp.abort("t1") is part
+    assert torch.equal(bits(dp.records), bits(before)) and torch.equal(dp.versions, vers)
+    assert not dp.locks.busy(local) and dp.staged == {}
+    assert dp.abort("t1") is None  # twice: nothing left
+
+
+def test_expired_lists_parts_older_than_the_timeout():
+    dp = data_participant()
+    dp.stage("old", rows(1), grads_for(1), now=100.0)
+    dp.stage("new", rows(2), grads_for(1), now=104.0)
+    assert dp.expired(now=105.0, timeout=10.0) == []
+    assert dp.expired(now=110.5, timeout=10.0) == ["old"]
+    assert sorted(dp.expired(now=200.0, timeout=10.0)) == ["new", "old"]
+    dp.commit("old")
+    assert dp.expired(now=200.0, timeout=10.0) == ["new"]
+
+
+# -- ParityParticipant ---------------------------------------------------------------------------------------
+def parity_participant(shard: int = 0, seed: int = 3) -> ParityParticipant:
+    n = P.parity_rows_on(shard)
+    parity = torch.randn(n, W, generator=torch.Generator().manual_seed(seed))
+    return ParityParticipant(shard, P, CODE, parity, torch.zeros(n, K, dtype=torch.int64))
+
+
+def batch(txn: str, src: int, index, slot, version, seed: int = 4, server: int = 0) -> DeltaBatch:
+    index, slot, version = rows(*index), rows(*slot), rows(*version)
+    delta = torch.randn(index.numel(), W, generator=torch.Generator().manual_seed(seed))
+    return DeltaBatch(server, txn, src, index, slot, delta, version)
+
+
+def xor_rows(parity: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    out = parity.clone()
+    CODE.apply_delta_(out, index, delta)
+    return out
+
+
+def test_parity_stage_applies_nothing_until_commit_and_commit_is_idempotent():
+    pp = parity_participant()
+    before = pp.parity.clone()
+    b = batch("t1", 2, index=[0, 2], slot=[3, 3], version=[4, 1])
+    pp.stage(b)
+    assert torch.equal(bits(pp.parity), bits(before)) and int(pp.pver.abs().sum()) == 0
+    assert [(t, i.tolist(), s.tolist()) for t, i, s in pp.staged_members(2)] == [("t1", [0, 2], [3, 3])]
+    assert pp.staged_members(1) == []
+
+    assert pp.commit("t1", 2) == "committed"
+    want = xor_rows(before, b.index, b.delta)
+    assert torch.equal(bits(pp.parity), bits(want))
+    assert pp.pver[0].tolist() == [0, 0, 0, 4] and pp.pver[2].tolist() == [0, 0, 0, 1]
+    assert pp.staged == {} and pp.staged_members(2) == []
+
+    # Repeated decisions (a worker committing on behalf of a dead server, retries) change nothing.
+    assert pp.commit("t1", 2) == "committed"
+    assert pp.abort("t1", 2) == "committed"
+    pp.stage(b)  # a late duplicate of a decided stage is ignored
+    assert pp.commit("t1", 2) == "committed"
+    assert torch.equal(bits(pp.parity), bits(want)) and pp.staged == {}
+
+
+def test_parity_abort_drops_the_staged_deltas_for_good():
+    pp = parity_participant()
+    before = pp.parity.clone()
+    pp.stage(batch("t1", 2, index=[1], slot=[3], version=[1]))
+    pp.stage(batch("t1", 3, index=[1], slot=[0], version=[1], seed=5))  # same txn, another source shard
+    assert pp.abort("t1", 2) == "aborted"
+    assert pp.commit("t1", 2) == "aborted"  # the decision stands
+    pp.stage(batch("t1", 2, index=[1], slot=[3], version=[1]))  # a delta that arrives after its abort
+    assert pp.staged_members(2) == []
+    assert torch.equal(bits(pp.parity), bits(before)) and int(pp.pver.abs().sum()) == 0
+    assert pp.commit("t1", 3) == "committed"  # (txn, src) pairs are decided independently
+    assert pp.pver[1].tolist() == [1, 0, 0, 0]
+
+
+def test_parity_commit_of_an_unknown_part_is_unknown_and_records_nothing():
+    pp = parity_participant()
+    before = pp.parity.clone()
+    assert pp.commit("never", 1) == "unknown"
+    assert ("never", 1) not in pp.resolved
+    assert torch.equal(bits(pp.parity), bits(before))
+
+
+def test_parity_deltas_commute_under_xor():
+    b1 = batch("t1", 1, index=[0, 1], slot=[0, 0], version=[1, 1], seed=6)
+    b2 = batch("t2", 2, index=[1, 2], slot=[1, 1], version=[1, 1], seed=7)
+    results = []
+    for order in ((b1, b2), (b2, b1)):
+        pp = parity_participant()
+        for b in order:
+            pp.stage(b)
+        for b in order:
+            pp.commit(b.txn, b.src)
+        results.append((pp.parity, pp.pver))
+    assert torch.equal(bits(results[0][0]), bits(results[1][0])) and torch.equal(results[0][1], results[1][1])
+
+
+def test_not_ready_records_keep_committed_deltas_and_install_replays_only_newer_ones():
+    pp = parity_participant()
+    pp.ready[torch.tensor([1, 2])] = False
+    start = pp.parity.clone()
+    # One batch over a ready record (0) and two not-ready ones (1, 2).
+    b1 = batch("t1", 1, index=[0, 1, 2], slot=[0, 0, 0], version=[3, 3, 3], seed=8)
+    b2 = batch("t2", 2, index=[1], slot=[1], version=[6], seed=9)
+    b3 = batch("t3", 2, index=[1], slot=[1], version=[7], seed=10)
+    for b in (b1, b2, b3):
+        pp.stage(b)
+        assert pp.commit(b.txn, b.src) == "committed"
+    # The ready record got its delta now; the others only wait in `pending`.
+    assert torch.equal(bits(pp.parity[0]), bits(xor_rows(start, rows(0), b1.delta[:1])[0]))
+    assert torch.equal(bits(pp.parity[1:]), bits(start[1:]))
+    assert pp.pver[0].tolist() == [3, 0, 0, 0] and int(pp.pver[1:].abs().sum()) == 0
+    assert sorted(int(i) for b in pp.pending for i in b.index) == [1, 1, 1, 2]
+
+    # Rebuild record 1 from members that already reflect t1 (slot 0 at version 3) and t2 (slot 1 at 6), but
+    # not t3 (version 7): only t3 must be replayed. Record 2 stays not ready with its delta kept.
+    rebuilt = torch.randn(1, W, generator=torch.Generator().manual_seed(11))
+    pp.install(rows(1), rebuilt, torch.tensor([[3, 6, 0, 2]]))
+    assert torch.equal(bits(pp.parity[1]), bits(CODE.apply_delta(rebuilt[0], b3.delta[0])))
+    assert pp.pver[1].tolist() == [3, 7, 0, 2]
+    assert bool(pp.ready[1]) and not bool(pp.ready[2])
+    assert [(b.txn, b.index.tolist()) for b in pp.pending] == [("t1", [2])]
+
+    # Record 2 is rebuilt from members older than t1: its kept delta is replayed, then nothing is left.
+    rebuilt2 = torch.randn(1, W, generator=torch.Generator().manual_seed(12))
+    pp.install(rows(2), rebuilt2, torch.tensor([[2, 0, 0, 0]]))
+    assert torch.equal(bits(pp.parity[2]), bits(CODE.apply_delta(rebuilt2[0], b1.delta[2])))
+    assert pp.pver[2].tolist() == [3, 0, 0, 0]
+    assert pp.pending == [] and bool(pp.ready.all())
+
+
+def test_resolved_outcomes_are_bounded():
+    pp = parity_participant()
+    pp.max_resolved = 3
+    for i in range(5):
+        pp.abort(f"t{i}", 1)
+    assert list(pp.resolved) == [("t2", 1), ("t3", 1), ("t4", 1)]
+
+
+# -- plan_recovery -------------------------------------------------------------------------------------------
+def test_plan_recovery_starts_with_dense_then_data_then_parity():
+    steps = plan_recovery(10, 4, 4)
+    assert steps == [
+        Step("dense", 0, 0),
+        Step("data", 0, 4),
+        Step("data", 4, 4),
+        Step("data", 8, 2),
+        Step("parity", 0, 4),
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data_rows=st.integers(0, 300), parity_rows=st.integers(0, 100), group=st.integers(1, 64))
+def test_plan_recovery_covers_every_row_and_parity_index_exactly_once(data_rows, parity_rows, group):
+    steps = plan_recovery(data_rows, parity_rows, group)
+    assert [s.kind for s in steps].count("dense") == 1 and steps[0].kind == "dense"
+    for kind, total in (("data", data_rows), ("parity", parity_rows)):
+        mine = [s for s in steps if s.kind == kind]
+        covered = [i for s in mine for i in range(s.start, s.start + s.count)]
+        assert covered == list(range(total))  # in order, each exactly once
+        assert all(1 <= s.count <= group for s in mine)
+        assert len(mine) == -(-total // group)
+    kinds = [s.kind for s in steps]
+    assert kinds == sorted(kinds, key=["dense", "data", "parity"].index)
+
+
+@pytest.mark.parametrize("group", [0, -1])
+def test_plan_recovery_rejects_empty_lock_groups(group):
+    with pytest.raises(ValueError):
+        plan_recovery(10, 2, group)
