@@ -7,7 +7,8 @@ it fail with `PeerFailed` as they would over gRPC, and so does anything a dead s
 server -> server) passes through `Net.call`, where hooks (`Net.kill_at`, `Net.on`) can kill a process or
 lose a message or its answer at an exact point of the protocol.
 
-`Worker` routes updates and reads like PSClient does (docs/protocol.md): rows of a failed shard go to their
+`Worker` drives the same update bookkeeping as PSClient (ecrec.core.update.StepUpdate) and routes reads like
+it (docs/protocol.md): rows of a failed shard go to their
 parity server (the acting home) with `src = shard`; each part is committed as soon as its stage is acked; a
 data server that died is aborted (stage not acked) or committed (stage acked) on its behalf at its parity
 servers.
@@ -19,13 +20,14 @@ invariant I1 (every parity record == encode(members), bit-exact for xor), as PSC
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ecrec.core.codes import make_code
 from ecrec.core.recovery import plan_recovery
 from ecrec.core.txn import DeltaBatch, RowsBusy
+from ecrec.core.update import MapView, Part, StepUpdate
 from ecrec.jobctx import JobContext
 from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore
 from ecrec.wire import InvalidRequest
@@ -161,6 +163,9 @@ class Net:
     def is_failed(self, s: int) -> bool:
         return s in self.failed
 
+    def view(self) -> MapView:
+        return MapView(self.epoch, frozenset(self.failed), dict(enumerate(self.incarnation)))
+
     def live(self) -> list[int]:
         return sorted(self.stores)
 
@@ -273,15 +278,6 @@ class Net:
 
 # ---------------------------------------------------------------------------------------------------------
 # the worker
-@dataclass
-class Part:
-    target: int
-    src: int  # -1: the target's own rows; else the failed shard whose rows the target (acting home) serves
-    pos: torch.Tensor  # positions into the step's row arrays
-    txn: str
-    dense: list[int] = field(default_factory=list)
-
-
 class Worker:
     """Drives the per-part 2PC of docs/protocol.md over a Net, as PSClient.apply_update does."""
 
@@ -289,23 +285,6 @@ class Worker:
         self.net = net
         self.ctx = net.ctx
         self.p = net.ctx.placement
-
-    def plan(self, step: str, g: torch.Tensor, todo: torch.Tensor, dense: dict[int, set[int]], attempt: int):
-        parts: dict[tuple[int, int], Part] = {}
-        for s, pos, local in self.p.group_by_shard(g[todo]):
-            pos = todo[pos]
-            if self.net.is_failed(s):
-                pservers, _ = self.p.parity_of(s, local)
-                for ps in pservers.unique().tolist():
-                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps], "")
-            else:
-                parts[(s, -1)] = Part(s, -1, pos, "")
-        for c, holders in dense.items():
-            for h in sorted(holders):
-                parts.setdefault((h, -1), Part(h, -1, torch.empty(0, dtype=torch.int64), "")).dense.append(c)
-        for part in parts.values():
-            part.txn = f"{step}/{part.target}.{part.src}.{attempt}"
-        return sorted(parts.values(), key=lambda q: (q.target, q.src))
 
     def stage(self, part: Part, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor | None) -> int:
         dense = {}
@@ -338,18 +317,15 @@ class Worker:
         attempts: int = 5,
     ) -> None:
         """Apply one step's update exactly once, whatever single failure the Net's hooks inject."""
-        todo = torch.arange(g.numel())
-        dense_todo: dict[int, set[int]] = {}
-        if dense_grad is not None:
-            dense_todo = {
-                c: {h for h in self.ctx.dense_holders(c) if not self.net.is_failed(h)}
-                for c in range(self.ctx.num_servers)
-            }
-        for attempt in range(attempts):
-            if todo.numel() == 0 and not any(dense_todo.values()):
+        holders = (
+            [self.ctx.dense_holders(c) for c in range(self.ctx.num_servers)] if dense_grad is not None else []
+        )
+        update = StepUpdate(step, self.p, g, holders)
+        for _attempt in range(attempts):
+            parts = update.plan(self.net.view())
+            if not parts:
                 return
-            done = torch.zeros(g.numel(), dtype=torch.bool)
-            for part in self.plan(step, g, todo, dense_todo, attempt):
+            for part in parts:
                 try:
                     self.stage(part, g, grads, dense_grad)
                 except PeerFailed:
@@ -368,15 +344,10 @@ class Worker:
                     else:
                         if part.src < 0 and part.pos.numel():
                             self.decide_on_behalf(part, g, commit=True)  # acked, then died
-                        outcome = "committed"
-                if outcome not in ("committed", "committing"):
-                    continue
-                done[part.pos] = True
-                for c in part.dense:
-                    dense_todo[c].discard(part.target)
-            todo = todo[~done[todo]]
-            for c in dense_todo:
-                dense_todo[c] = {h for h in dense_todo[c] if not self.net.is_failed(h)}
+                        update.committed_by_dead_target(part)
+                        continue
+                if outcome in ("committed", "committing"):
+                    update.committed(part)
         raise RuntimeError(f"update {step}: not applied after {attempts} attempts")
 
     def pull(self, g: torch.Tensor) -> torch.Tensor:

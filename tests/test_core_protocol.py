@@ -10,6 +10,7 @@ from ecrec.core.optim import make_optimizer
 from ecrec.core.placement import Placement
 from ecrec.core.recovery import Step, plan_recovery
 from ecrec.core.txn import DataParticipant, ParityParticipant, RowLocks, RowsBusy, UnknownTxn
+from ecrec.core.update import MapView, StepUpdate
 
 P = Placement(num_servers=5, k=4, num_rows=200)
 XOR = make_code("xor")
@@ -190,3 +191,77 @@ def test_rebuilt_parity_skips_deltas_the_rebuild_already_reflects():
             vers[row, i] = parts[int(shards[row, i])].versions[locs[row, i]]
     pp.install(torch.arange(n), current.clone(), vers)
     assert torch.equal(pp.parity.view(torch.int32), current.view(torch.int32)) and pp.pending == []
+
+
+# -- a worker step's update (StepUpdate) ---------------------------------------------------------------------
+DENSE = [(c, (c + 1) % P.num_servers) for c in range(P.num_servers)]  # two replicas per chunk
+
+
+def by_target(parts) -> dict[tuple[int, int], object]:
+    return {(q.target, q.src): q for q in parts}
+
+
+def test_step_update_routes_rows_by_the_map_and_names_parts_by_step_target_src_and_pass():
+    g = torch.arange(0, 200, 7)
+    up = StepUpdate("w0-3", P, g, DENSE)
+    parts = up.plan(MapView(epoch=4))
+    assert sorted(torch.cat([q.pos for q in parts]).tolist()) == list(range(g.numel()))
+    for q in parts:
+        assert q.src == -1 and q.epoch == 4 and q.txn == f"w0-3/{q.target}.-1.0"
+        assert bool((P.data_shard(g[q.pos]) == q.target).all())
+        assert sorted(q.dense) == [c for c, hs in enumerate(DENSE) if q.target in hs]
+    # Shard 2 fails: its rows go to the parity servers of their stripes, tagged with src = 2.
+    up = StepUpdate("w0-3", P, g, DENSE)
+    parts = by_target(up.plan(MapView(epoch=5, failed_shards=frozenset({2}))))
+    mine = (P.data_shard(g) == 2).nonzero().reshape(-1)
+    acting = [q for (t, src), q in parts.items() if src == 2]
+    assert acting and sorted(torch.cat([q.pos for q in acting]).tolist()) == mine.tolist()
+    for q in acting:
+        assert bool((P.parity_of(2, P.local_row(g[q.pos]))[0] == q.target).all())
+    assert all(q.target != 2 for q in parts.values())  # nothing, dense chunks included, goes to it
+    with pytest.raises(ValueError, match="must not contain '/'"):
+        StepUpdate("a/b", P, g, DENSE)
+
+
+def test_step_update_replans_only_what_is_not_committed_and_finishes():
+    g = torch.arange(0, 200, 5)
+    up = StepUpdate("s", P, g, DENSE)
+    view = MapView(epoch=1)
+    first = up.plan(view)
+    for q in first[1:]:
+        up.committed(q)
+    again = up.plan(view)
+    assert [(q.target, q.src) for q in again] == [(first[0].target, -1)]
+    assert torch.equal(again[0].pos, first[0].pos) and again[0].dense == first[0].dense
+    assert again[0].txn.endswith(".1")  # a new pass: a new txn id
+    up.committed(again[0])
+    assert up.finished(view) and up.plan(view) == []
+
+
+def test_step_update_sends_a_dense_chunk_again_to_a_replica_whose_process_was_replaced():
+    """Done-ness of a dense chunk is per incarnation: a new process has only what it copied."""
+    g = torch.empty(0, dtype=torch.int64)
+    up = StepUpdate("s", P, g, [(0, 1)])
+    parts = by_target(up.plan(MapView(1, incarnations={0: 1, 1: 1})))
+    up.committed(parts[(1, -1)])  # replica 1 applied the step; replica 0's part failed (busy)
+    # Replica 1 dies: the step needs only replica 0 now.
+    parts = by_target(up.plan(MapView(2, frozenset({1}), {0: 1, 1: 1})))
+    assert list(parts) == [(0, -1)]
+    up.committed(parts[(0, -1)])
+    assert up.finished(MapView(2, frozenset({1}), {0: 1, 1: 1}))
+    # Its replacement (incarnation 2) may have copied the chunk from replica 0 before replica 0 applied the
+    # step: it gets the step too (and skips it if its copy already had it).
+    view = MapView(3, incarnations={0: 1, 1: 2})
+    assert not up.finished(view)
+    assert [(q.target, q.dense, q.incarnation) for q in up.plan(view)] == [(1, [0], 2)]
+
+
+def test_step_update_counts_rows_but_not_dense_chunks_of_a_target_that_acked_and_died():
+    g = torch.tensor([P.num_servers * 3 + 0])  # one row of shard 0, which also holds dense chunk 0
+    up = StepUpdate("s", P, g, [(0, 1)])
+    parts = by_target(up.plan(MapView(1)))
+    up.committed_by_dead_target(parts[(0, -1)])
+    up.committed(parts[(1, -1)])
+    assert bool(up.rows_done.all())
+    assert up.finished(MapView(2, frozenset({0})))  # the survivor holds the chunk
+    assert [q.target for q in up.plan(MapView(3, incarnations={0: 2}))] == [0]  # a replacement gets it

@@ -134,7 +134,7 @@ def part_at(ctx: JobContext, s: int, n: int, step: str = "x", seed: int = 5):
     """A part of n rows of shard s, its ids and gradients."""
     g = rows_of(ctx, s, n)
     grads = torch.randn(n, ctx.dim, generator=torch.Generator().manual_seed(seed))
-    return Part(s, -1, torch.arange(n), f"{step}/{s}.-1.0"), g, grads
+    return Part(s, -1, torch.arange(n), txn=f"{step}/{s}.-1.0"), g, grads
 
 
 # -- the update path without failures ------------------------------------------------------------------------
@@ -648,6 +648,30 @@ def test_replacement_skips_dense_steps_its_copy_already_contains(ctx):
             twin.call(WORKER, h, "commit", f"{step}/{h}.-1.0")
     assert same_bits(rep.dense[chunk], twin[S].dense[chunk])
     assert same_bits(net[other].dense[chunk], twin[other].dense[chunk])
+
+
+def test_replacement_that_copied_a_dense_chunk_mid_step_still_receives_the_step(ctx):
+    """The step's part at the surviving replica fails once (busy rows) and meanwhile the dead replica's
+    replacement registers and copies the chunk, which does not hold the step yet: the retry must send the
+    step to the replacement too, or the two replicas diverge (found by a real-process run in CI)."""
+    net, twin = Net(ctx), Net(ctx)
+    chunk = ctx.dense_chunks_of(S)[0]
+    other = next(h for h in ctx.dense_holders(chunk) if h != S)
+    step, g, grads, dense_grad = make_updates(ctx, 1, seed=11)[0]
+    net.kill(S)
+
+    def replace_and_copy(_call) -> None:
+        net.replace(S)
+        net.call(WORKER, S, "copy_dense")
+        raise Busy("rows staged by another txn")
+
+    net.on("stage", replace_and_copy, caller=WORKER, server=other)
+    Worker(net).update(step, g, grads, dense_grad)
+    Worker(twin).update(step, g, grads, dense_grad)
+    assert not any(net.hooks)  # the hook fired
+    net.recover(S, lock_group_rows=1000)
+    assert same_bits(net[S].dense[chunk], net[other].dense[chunk])
+    assert_fully_recovered(net, twin)
 
 
 # -- txnTimeout ----------------------------------------------------------------------------------------------

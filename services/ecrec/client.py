@@ -15,12 +15,13 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import httpx
 import torch
 
+from ecrec.core.update import MapView, Part, StepUpdate
 from ecrec.evaluation import auc, logloss
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
@@ -58,17 +59,6 @@ class Pending:
         return [self.client._result(shard, method, fut, timeout) for shard, method, fut in self.calls]
 
 
-@dataclass
-class Part:
-    """One stage of the per-part 2PC: rows of one data shard (or of a failed shard at its acting home)."""
-
-    target: int
-    src: int  # -1: the target's own rows
-    pos: torch.Tensor  # positions into the update's row arrays
-    dense: list[int] = field(default_factory=list)
-    txn: str = ""
-
-
 class PSClient:
     def __init__(
         self,
@@ -86,7 +76,9 @@ class PSClient:
         self.stubs: dict[int, pb_grpc.ParameterServerStub] = {}
         self.addresses: dict[int, str] = {}
         self.states: dict[int, str] = {}
+        self.incarnations: dict[int, int] = {}
         self.epoch = 0
+        self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         self.update_cluster(cluster)
 
     @classmethod
@@ -97,12 +89,17 @@ class PSClient:
 
     # -- the cluster map -------------------------------------------------------------------------------
     def update_cluster(self, cluster: dict) -> None:
+        with self._map_lock:
+            self._adopt(cluster)
+
+    def _adopt(self, cluster: dict) -> None:
         if int(cluster["epoch"]) < self.epoch:
             return
         self.epoch = int(cluster["epoch"])
         for s in cluster["shards"]:
             shard, addr = int(s["shard"]), s["address"]
             self.states[shard] = s["state"]
+            self.incarnations[shard] = int(s.get("incarnation", 0))
             if addr and self.addresses.get(shard) != addr:
                 if shard in self.channels:
                     self.channels[shard].close()
@@ -136,6 +133,12 @@ class PSClient:
 
     def failed(self, shard: int) -> bool:
         return self.states.get(shard) == "failed"
+
+    def view(self) -> MapView:
+        """A consistent snapshot of the map for planning an update pass."""
+        with self._map_lock:
+            failed = frozenset(s for s, st in self.states.items() if st == "failed")
+            return MapView(self.epoch, failed, dict(self.incarnations))
 
     def close(self) -> None:
         for ch in self.channels.values():
@@ -250,26 +253,6 @@ class PSClient:
         return Pending(calls, self)
 
     # -- ECRec updates ---------------------------------------------------------------------------------
-    def plan_parts(
-        self, g: torch.Tensor, todo: torch.Tensor, dense_todo: dict[int, set[int]], step: str, attempt: int
-    ) -> list[Part]:
-        p = self.ctx.placement
-        parts: dict[tuple[int, int], Part] = {}
-        for s, pos, local in p.group_by_shard(g[todo]):
-            pos = todo[pos]
-            if self.failed(s):
-                pservers, _ = p.parity_of(s, local)
-                for ps in pservers.unique().tolist():
-                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps])
-            else:
-                parts[(s, -1)] = Part(s, -1, pos)
-        for c, holders in dense_todo.items():
-            for h in holders:
-                parts.setdefault((h, -1), Part(h, -1, torch.empty(0, dtype=torch.int64))).dense.append(c)
-        for part in parts.values():
-            part.txn = f"{step}/{part.target}.{part.src}.{attempt}"
-        return list(parts.values())
-
     def apply_update(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
         """Apply one step's update with the per-part 2PC; returns when every part has committed.
 
@@ -279,17 +262,16 @@ class PSClient:
         two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
-        todo = torch.arange(g.numel())
-        dense_todo = {c: set(self.dense_targets(c)) for c in range(ctx.num_servers)}
-        for attempt in range(MAX_ATTEMPTS):
-            if todo.numel() == 0 and not any(dense_todo.values()):
+        update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
+        for _attempt in range(MAX_ATTEMPTS):
+            parts = update.plan(self.view())
+            if not parts:
                 return
             events: queue.Queue = queue.Queue()
-            parts = self.plan_parts(g, todo, dense_todo, step, attempt)
             for part in parts:
                 fut = self._send_stage(part, g, grads, dense_grad, two_pc)
                 fut.add_done_callback(lambda f, part=part, q=events: q.put(("stage", part, f)))
-            outstanding, done_rows, errors = len(parts), [], {}
+            outstanding, errors = len(parts), {}
             while outstanding:
                 phase, part, fut = events.get()
                 outstanding -= 1
@@ -318,7 +300,8 @@ class PSClient:
                         self._decide_on_behalf(part, g, commit=phase == "commit")
                     if phase == "stage":
                         continue
-                    resp = None  # a dead server acked the stage: the surviving copies hold the update
+                    update.committed_by_dead_target(part)  # it acked, then died: see StepUpdate
+                    continue
                 if phase == "stage" and (two_pc or part.src >= 0):
                     fault_point("worker:before_commit")
                     cf = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
@@ -326,20 +309,11 @@ class PSClient:
                     cf.add_done_callback(lambda f, part=part, q=events: q.put(("commit", part, f)))
                     outstanding += 1
                     continue
-                if phase == "commit" and resp is not None and resp.outcome not in ("committed", "committing"):
+                if phase == "commit" and resp.outcome not in ("committed", "committing"):
                     continue  # aborted by the server's timeout: retry the part
-                done_rows.append(part.pos)
-                for c in part.dense:
-                    dense_todo[c].discard(part.target)
-            if done_rows:
-                done = torch.zeros(g.numel(), dtype=torch.bool)
-                done[torch.cat(done_rows)] = True
-                todo = todo[~done[todo]]
+                update.committed(part)
             for server, e in errors.items():
                 self._recover_from(server, e)
-            # Replicas that died are dropped: the surviving replica holds the chunk.
-            for c in dense_todo:
-                dense_todo[c] = {h for h in dense_todo[c] if not self.failed(h)}
         raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
 
     def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> grpc.Future:
@@ -355,7 +329,7 @@ class PSClient:
                     self._call(
                         part.target,
                         "Push",
-                        pb.PushRequest(epoch=self.epoch, ids=ids, grads=rows, txn=part.txn),
+                        pb.PushRequest(epoch=part.epoch, ids=ids, grads=rows, txn=part.txn),
                     )
                 )
             for c, buf in zip(part.dense, dense, strict=True):
@@ -363,12 +337,12 @@ class PSClient:
                     self._call(
                         part.target,
                         "PushDense",
-                        pb.DensePushRequest(epoch=self.epoch, chunk=c, grads=buf, txn=part.txn),
+                        pb.DensePushRequest(epoch=part.epoch, chunk=c, grads=buf, txn=part.txn),
                     )
                 )
             return _AllOf(futs)
         req = pb.StageRequest(
-            epoch=self.epoch,
+            epoch=part.epoch,
             txn=part.txn,
             ids=ids,
             grads=rows,

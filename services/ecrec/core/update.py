@@ -1,0 +1,120 @@
+"""A worker step's update under the per-part two-phase commit: which parts remain, and where they go.
+
+Pure bookkeeping with no I/O (docs/protocol.md, "Worker"). The driver — PSClient.apply_update over gRPC, or
+the in-memory worker of tests/netsim.py — asks for a plan under its current view of the cluster map, sends
+each part's stage and commit, and reports each outcome back. The step is finished when every row's update
+is applied exactly once and every live replica of every dense chunk holds the step.
+
+Parts are planned afresh on every pass, so a part whose server died is re-routed: rows of a failed shard go
+to their acting homes (the parity servers of their stripes), and a dense chunk goes to the replicas that do
+not hold the step yet. A replica's progress is remembered per *incarnation*: a process that dies takes its
+copy of the chunk with it, and a replacement that copied the chunk from the surviving replica before that
+replica applied this step must still receive it. Sending a dense chunk to a replica that already holds the
+step is harmless (ShardStore.stage skips steps in its copy log), so erring toward sending is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ecrec.core.placement import Placement
+
+
+@dataclass
+class Part:
+    """One stage of the per-part 2PC: rows of one data shard (or of a failed shard at its acting home)."""
+
+    target: int
+    src: int  # -1: the target's own rows; else the failed shard whose rows the target serves
+    pos: torch.Tensor  # positions into the step's row arrays
+    dense: list[int] = field(default_factory=list)  # dense chunks staged with this part
+    txn: str = ""  # "<step>/<target>.<src>.<attempt>": the servers recover the step from it
+    epoch: int = 0  # the map epoch the part was planned under; its stage claims no newer map
+    incarnation: int = 0  # the target's incarnation in that map
+
+
+@dataclass(frozen=True)
+class MapView:
+    """A consistent snapshot of what a plan needs from the driver's cluster map."""
+
+    epoch: int
+    failed_shards: frozenset[int] = frozenset()
+    incarnations: Mapping[int, int] = field(default_factory=dict)
+
+    def failed(self, shard: int) -> bool:
+        return shard in self.failed_shards
+
+    def incarnation(self, shard: int) -> int:
+        return self.incarnations.get(shard, 0)
+
+
+class StepUpdate:
+    """Progress of one step's update: rows still to apply, and (replica, incarnation) pairs holding each
+    dense chunk's update."""
+
+    def __init__(
+        self,
+        step: str,
+        placement: Placement,
+        g: torch.Tensor,
+        dense_holders: Sequence[Sequence[int]] = (),
+    ):
+        if "/" in step:
+            raise ValueError(f"step id {step!r} must not contain '/': it separates the step in txn ids")
+        self.step, self.placement, self.g = step, placement, g.reshape(-1)
+        self.dense_holders = [tuple(h) for h in dense_holders]
+        self.rows_done = torch.zeros(self.g.numel(), dtype=torch.bool)
+        self.dense_done: list[set[tuple[int, int]]] = [set() for _ in self.dense_holders]
+        self.attempt = 0
+
+    def dense_todo(self, view: MapView) -> dict[int, list[int]]:
+        """Live replicas of each chunk that do not hold this step's update in their current incarnation."""
+        out = {}
+        for c, holders in enumerate(self.dense_holders):
+            done = self.dense_done[c]
+            todo = [h for h in holders if not view.failed(h) and (h, view.incarnation(h)) not in done]
+            if todo:
+                out[c] = todo
+        return out
+
+    def finished(self, view: MapView) -> bool:
+        return bool(self.rows_done.all()) and not self.dense_todo(view)
+
+    def plan(self, view: MapView) -> list[Part]:
+        """The parts of the next pass under `view` (empty once finished), ordered by (target, src)."""
+        if self.finished(view):
+            return []
+        p, attempt = self.placement, self.attempt
+        self.attempt += 1
+        todo = (~self.rows_done).nonzero().reshape(-1)
+        parts: dict[tuple[int, int], Part] = {}
+        for s, pos, local in p.group_by_shard(self.g[todo]):
+            pos = todo[pos]
+            if view.failed(s):  # degraded write: each row goes to the parity server of its stripe
+                pservers, _ = p.parity_of(s, local)
+                for ps in pservers.unique().tolist():
+                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps])
+            else:
+                parts[(s, -1)] = Part(s, -1, pos)
+        empty = torch.empty(0, dtype=torch.int64)
+        for c, holders in self.dense_todo(view).items():
+            for h in holders:
+                parts.setdefault((h, -1), Part(h, -1, empty)).dense.append(c)
+        for part in parts.values():
+            part.txn = f"{self.step}/{part.target}.{part.src}.{attempt}"
+            part.epoch, part.incarnation = view.epoch, view.incarnation(part.target)
+        return sorted(parts.values(), key=lambda q: (q.target, q.src))
+
+    def committed(self, part: Part) -> None:
+        """The part's target committed it (or is committing it: the decision is taken)."""
+        self.rows_done[part.pos] = True
+        for c in part.dense:
+            self.dense_done[c].add((part.target, part.incarnation))
+
+    def committed_by_dead_target(self, part: Part) -> None:
+        """The target acked the stage and died: its parity servers hold (and commit) the rows' update, but
+        its dense chunks died with it; the surviving replica, or a replacement's copy of it, holds the step."""
+        self.rows_done[part.pos] = True
