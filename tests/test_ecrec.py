@@ -113,6 +113,10 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
     assert_consistent(report)
     assert report["samples"] == 4 * 40 * 256
     assert len(report["recoveries"]) == len(kills)
+    if not kills:  # 2PC: every step stages and commits; parity servers get deltas and decisions
+        served = report["rpcs_served"]
+        assert min(served.get(m, 0) for m in ("Stage", "Commit", "Delta", "DecideDeltas")) >= 4 * 40, served
+        assert "Push" not in served, served
 
 
 def test_worker_killed_mid_transaction_leaves_nothing_staged(tmp_path):

@@ -29,6 +29,10 @@ def test_local_job_trains_reports_and_leaves_no_processes(tmp_path):
     assert report["spec"]["servers"]["replicas"] == 2
     kinds = [e["kind"] for e in report["events"]]
     assert "training_started" in kinds and "training_finished" in kinds
+    # Every step pushes to both servers; No FT needs no 2PC or parity messages.
+    served = report["rpcs_served"]
+    assert served["Push"] >= 2 * 60 * 2 and served["Pull"] > 0, served
+    assert not {"Stage", "Commit", "Delta", "DecideDeltas"} & set(served), served
     assert processes_mentioning(str(tmp_path)) == []
 
 

@@ -288,6 +288,7 @@ def run_local(
         status = _watch(cluster, total, progress, tick)
         if ctx.ecrec:
             _wait_recovered(cluster, supervisor)
+        extra["rpcs_served"] = rpcs_served(cluster.get("/cluster"))  # before evaluation adds its reads
         client = PSClient(ctx, cluster.get("/cluster"))
         try:
             ev = evaluate(client, data_source(ctx).eval_batches(4096))
@@ -333,6 +334,32 @@ def run_local(
         "machine": machine_description(),
         "logs": str(out_dir / "logs"),
     }
+
+
+def rpcs_served(cluster: dict) -> dict[str, int]:
+    """RPCs the live server processes have served, by method, summed over servers (from their /metrics).
+
+    Counts both worker -> server and server -> server calls: the message cost of a configuration. A server
+    process that died took its counters with it; its replacement counts from zero."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for shard in cluster["shards"]:
+        url = shard.get("metricsUrl")
+        if not url:
+            continue
+        try:
+            text = httpx.get(url, timeout=5.0).text
+        except httpx.HTTPError:
+            continue  # it died after training: its counts are lost with it, as documented above
+        for family in text_string_to_metric_families(text):
+            if family.name != "ecrec_rpc_latency_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    method = sample.labels["method"]
+                    out[method] = out.get(method, 0) + int(sample.value)
+    return dict(sorted(out.items()))
 
 
 def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: float = 300.0) -> None:
