@@ -7,11 +7,11 @@ it fail with `PeerFailed` as they would over gRPC, and so does anything a dead s
 server -> server) passes through `Net.call`, where hooks (`Net.kill_at`, `Net.on`) can kill a process or
 lose a message or its answer at an exact point of the protocol.
 
-`Worker` drives the same update bookkeeping as PSClient (ecrec.core.update.StepUpdate) and routes reads like
-it (docs/protocol.md): rows of a failed shard go to their
-parity server (the acting home) with `src = shard`; each part is committed as soon as its stage is acked; a
-data server that died is aborted (stage not acked) or committed (stage acked) on its behalf at its parity
-servers.
+`Worker` drives the same update bookkeeping and the same four phases as PSClient.apply_update
+(ecrec.core.update.StepUpdate; docs/protocol.md): stage every part, deliver the deltas to the parity servers,
+commit, tell the parity servers. Rows of a failed shard go to their acting home with `src = shard`; a data
+server that is gone after its stage was answered has its deltas committed on its behalf. `stage_part` and
+`commit_part` run those phases for one part by hand.
 
 `logical_model` and `parity_check` are the test oracles: the whole model in placement-independent order, and
 invariant I1 (every parity record == encode(members), bit-exact for xor), as PSClient.parity_check.
@@ -29,10 +29,11 @@ from ecrec.core.recovery import plan_recovery
 from ecrec.core.txn import DeltaBatch, RowsBusy
 from ecrec.core.update import MapView, Part, StepUpdate
 from ecrec.jobctx import JobContext
-from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore, Staged
 from ecrec.wire import InvalidRequest
 
 WORKER = -1  # caller id of the worker in `Call`s
+LOST = object()  # Worker._try: no answer
 # What a server's RPC layer turns into a gRPC status: the peer sees an RpcError, i.e. PeerFailed.
 REMOTE_ERRORS = (InvalidRequest, NotOwner, Busy, RowsBusy, PeerFailed)
 
@@ -65,7 +66,7 @@ class Call:
 Hook = Callable[[Call], None]
 
 
-def _wire_copy(b: DeltaBatch, server: int) -> DeltaBatch:
+def wire_copy(b: DeltaBatch, server: int) -> DeltaBatch:
     """A delta batch as the receiving server sees it: its own tensors, addressed to it."""
     return DeltaBatch(
         server, b.txn, b.src, b.index.clone(), b.slot.clone(), b.delta.clone(), b.version.clone()
@@ -91,7 +92,7 @@ class LocalPeers:
         out: dict[int, Exception | None] = {}
         for b in batches:
             try:
-                self._call(b.parity_server, "receive_deltas", _wire_copy(b, b.parity_server), immediate)
+                self._call(b.parity_server, "receive_deltas", wire_copy(b, b.parity_server), immediate)
                 out.setdefault(b.parity_server, None)
             except PeerFailed as e:
                 out[b.parity_server] = e
@@ -117,6 +118,9 @@ class LocalPeers:
     def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
         recs, txns = self._call(server, "serve_dense_copy", chunk, epoch)
         return recs.clone(), list(txns)
+
+    def outcome(self, server: int, txn: str) -> str:
+        return self._call(server, "outcome", txn)
 
     def confirm_failed(self, server: int) -> bool:
         return self.net.is_failed(server)  # the coordinator's probe finds the process gone, or not
@@ -279,14 +283,17 @@ class Net:
 # ---------------------------------------------------------------------------------------------------------
 # the worker
 class Worker:
-    """Drives the per-part 2PC of docs/protocol.md over a Net, as PSClient.apply_update does."""
+    """Drives the worker-coordinated 2PC of docs/protocol.md over a Net, as PSClient.apply_update does (the
+    same StepUpdate bookkeeping and the same four phases, one message at a time)."""
 
     def __init__(self, net: Net):
         self.net = net
         self.ctx = net.ctx
         self.p = net.ctx.placement
 
-    def stage(self, part: Part, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor | None) -> int:
+    def stage(
+        self, part: Part, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor | None
+    ) -> Staged:
         dense = {}
         if part.dense:
             assert dense_grad is not None
@@ -295,18 +302,16 @@ class Worker:
             WORKER, part.target, "stage", part.txn, g[part.pos], grads[part.pos].clone(), part.src, dense
         )
 
-    def commit(self, part: Part) -> str:
-        return self.net.call(WORKER, part.target, "commit", part.txn)
-
-    def decide_on_behalf(self, part: Part, g: torch.Tensor, commit: bool) -> list[str]:
-        """Decide dead data server part.target's staged deltas at its live parity servers."""
-        out = []
-        local = self.p.local_row(g[part.pos])
-        for j in range(self.p.r):
-            for ps, _pos, _idx in self.p.group_by_parity(part.target, local, j):
-                if not self.net.is_failed(ps):
-                    out.append(self.net.call(WORKER, ps, "decide_deltas", part.txn, part.target, commit))
-        return out
+    def _try(self, server: int, method: str, *args, tries: int = 2):
+        """Call a live server, asking again if the message or its answer was lost; LOST if it never
+        answered (dead, or every try was lost)."""
+        for _i in range(tries):
+            try:
+                return self.net.call(WORKER, server, method, *args)
+            except PeerFailed:
+                if self.net.is_failed(server):
+                    break
+        return LOST
 
     def update(
         self,
@@ -321,33 +326,59 @@ class Worker:
             [self.ctx.dense_holders(c) for c in range(self.ctx.num_servers)] if dense_grad is not None else []
         )
         update = StepUpdate(step, self.p, g, holders)
+        net = self.net
         for _attempt in range(attempts):
-            parts = update.plan(self.net.view())
+            parts = update.plan(net.view())
             if not parts:
                 return
+            # (1) stage
+            staged: list[tuple[Part, list[DeltaBatch]]] = []
             for part in parts:
                 try:
-                    self.stage(part, g, grads, dense_grad)
+                    staged.append((part, self.stage(part, g, grads, dense_grad).batches))
                 except PeerFailed:
-                    if not self.net.is_failed(part.target):
-                        self.net.call(WORKER, part.target, "abort", part.txn)  # it may have staged
-                    elif part.src < 0 and part.pos.numel():
-                        self.decide_on_behalf(part, g, commit=False)  # died before acking: undo, retry
-                    continue
+                    if not net.is_failed(part.target):
+                        self._try(part.target, "abort", part.txn)  # it may have staged
                 except (Busy, NotOwner, RowsBusy):
-                    continue  # busy rows or a stale map: retry the part on the next pass
+                    pass  # busy rows or a stale map: retry the part on the next pass
+            # (2) deltas, one message per parity server
+            by_server: dict[int, list[DeltaBatch]] = {}
+            for _part, batches in staged:
+                for b in batches:
+                    by_server.setdefault(b.parity_server, []).append(b)
+            undelivered = set()
+            for server, batches in sorted(by_server.items()):
+                if net.is_failed(server):
+                    continue
                 try:
-                    outcome = self.commit(part)
-                except PeerFailed:
-                    if not self.net.is_failed(part.target):
-                        outcome = self.commit(part)  # commits are idempotent: ask again
-                    else:
-                        if part.src < 0 and part.pos.numel():
-                            self.decide_on_behalf(part, g, commit=True)  # acked, then died
-                        update.committed_by_dead_target(part)
-                        continue
-                if outcome in ("committed", "committing"):
+                    ok = self._try(server, "stage_deltas", [wire_copy(b, server) for b in batches])
+                except NotOwner:
+                    ok = LOST
+                if ok is LOST and not net.is_failed(server):
+                    undelivered.add(server)
+            # (3) commit
+            decisions: dict[int, list[tuple[str, int, bool]]] = {}
+            for part, batches in staged:
+                if undelivered & {b.parity_server for b in batches}:
+                    self._try(part.target, "abort", part.txn)
+                    continue
+                outcome = self._try(part.target, "commit", part.txn)
+                if outcome is LOST:
+                    outcome = "gone" if net.is_failed(part.target) else "aborted"
+                if outcome == "unknown":
+                    outcome = "gone"
+                if outcome == "committed":
                     update.committed(part)
+                elif outcome == "gone":
+                    update.committed_by_dead_target(part)  # its deltas are committed on its behalf below
+                else:
+                    continue
+                for b in batches:
+                    decisions.setdefault(b.parity_server, []).append((part.txn, part.target, True))
+            # (4) decisions, one message per parity server (one that misses it asks the data server later)
+            for server, ds in sorted(decisions.items()):
+                if not net.is_failed(server):
+                    self._try(server, "decide_many", ds)
         raise RuntimeError(f"update {step}: not applied after {attempts} attempts")
 
     def pull(self, g: torch.Tensor) -> torch.Tensor:
@@ -362,6 +393,44 @@ class Worker:
             else:
                 out[pos] = self.net.call(WORKER, s, "pull", g[pos])
         return out
+
+
+def stage_part(
+    net: Net,
+    server: int,
+    txn: str,
+    g: torch.Tensor,
+    grads: torch.Tensor,
+    src: int = -1,
+    dense: dict | None = None,
+    epoch: int = 0,
+) -> Staged:
+    """Phases 1 and 2 of one part by hand: stage at `server`, deliver its deltas to the parity servers."""
+    staged = net.call(WORKER, server, "stage", txn, g, grads, src, dense or {}, epoch)
+    for b in staged.batches:
+        if not net.is_failed(b.parity_server):
+            net.call(WORKER, b.parity_server, "stage_deltas", [wire_copy(b, b.parity_server)])
+    return staged
+
+
+def decide_part(net: Net, txn: str, src: int, staged: Staged, commit: bool) -> list[str]:
+    """The worker's decision about a part's deltas at its live parity servers (e.g. on behalf of a dead
+    data server)."""
+    return [
+        net.call(WORKER, b.parity_server, "decide_many", [(txn, src, commit)])[0]
+        for b in staged.batches
+        if not net.is_failed(b.parity_server)
+    ]
+
+
+def commit_part(net: Net, server: int, txn: str, staged: Staged | None = None) -> str:
+    """Phases 3 and 4 of one part by hand: commit at `server`, then tell its parity servers."""
+    out = net.call(WORKER, server, "commit", txn)
+    if out == "committed" and staged is not None:
+        for b in staged.batches:
+            if not net.is_failed(b.parity_server):
+                net.call(WORKER, b.parity_server, "decide_many", [(txn, server, True)])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

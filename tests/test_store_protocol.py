@@ -26,10 +26,14 @@ from tests.netsim import (
     assert_parity_ok,
     assert_same_model,
     bits,
+    commit_part,
+    decide_part,
     dense_replica_mismatches,
     logical_model,
     parity_check,
     same_bits,
+    stage_part,
+    wire_copy,
 )
 
 N, K = 5, 4
@@ -184,8 +188,10 @@ def test_staged_part_is_invisible_to_reads_and_parity_until_commit(ctx):
     parity_before = {q: net[q].parity.parity.clone() for q in range(N)}
     pulled_before = Worker(net).pull(g)
 
-    assert net.call(WORKER, s, "stage", part.txn, g, grads, -1, {chunk: dense_grad}) == 40
+    staged = stage_part(net, s, part.txn, g, grads, -1, {chunk: dense_grad})
+    assert staged.rows == 40
     pservers = sorted(set(ctx.placement.parity_of(s, part.pos)[0].tolist()))
+    assert sorted(b.parity_server for b in staged.batches) == pservers
     assert len(pservers) == K  # 40 consecutive local rows have all K parity servers
     for q in pservers:
         assert (part.txn, s) in net[q].parity.staged
@@ -196,7 +202,13 @@ def test_staged_part_is_invisible_to_reads_and_parity_until_commit(ctx):
         assert same_bits(net[q].parity.parity, parity_before[q])
     assert_parity_ok(net)
 
+    # Committed at the data server (the decision point); the parity servers hear it from the worker next.
     assert net.call(WORKER, s, "commit", part.txn) == "committed"
+    assert net[s].outcome(part.txn) == "committed"
+    assert all((part.txn, s) in net[q].parity.staged for q in pservers)
+    assert parity_check(net)["in_flight"] > 0 and parity_check(net)["mismatches"] == 0
+    for q in pservers:
+        assert net.call(WORKER, q, "decide_many", [(part.txn, s, True)]) == ["committed"]
     want = reference(ctx, before, [])
     want.rows[g] = ctx.optimizer.apply(before.rows[g], grads)
     want.versions[g] += 1
@@ -216,14 +228,12 @@ def test_hot_row_is_staged_by_one_txn_at_a_time_and_the_next_builds_on_the_commi
     g1, g2 = rows_of(ctx, s, 8), rows_of(ctx, s, 12)[4:]  # 4 rows in common
     gen = torch.Generator().manual_seed(3)
     grads1, grads2 = torch.randn(8, ctx.dim, generator=gen), torch.randn(8, ctx.dim, generator=gen)
-    net.call(WORKER, s, "stage", "a/1", g1, grads1)
+    a = stage_part(net, s, "a/1", g1, grads1)
     with pytest.raises(Busy):
         net.call(WORKER, s, "stage", "b/1", g2, grads2)
     assert "b/1" not in net[s].rows.staged
-    assert all(("b/1", s) not in net[q].parity.staged for q in range(N))
-    net.call(WORKER, s, "commit", "a/1")
-    net.call(WORKER, s, "stage", "b/1", g2, grads2)
-    net.call(WORKER, s, "commit", "b/1")
+    commit_part(net, s, "a/1", a)
+    commit_part(net, s, "b/1", stage_part(net, s, "b/1", g2, grads2))
 
     opt, want = ctx.optimizer, start.rows.clone()
     want[g1] = opt.apply(want[g1], grads1)
@@ -238,19 +248,20 @@ def test_hot_row_is_staged_by_one_txn_at_a_time_and_the_next_builds_on_the_commi
 S, Q = 2, 4  # the data server of the faulty part, and one of its parity servers
 
 # fault -> (victim, Net.kill_at match): the victim dies at that point of the first update after it is armed.
+# The worker sends every message (docs/protocol.md): stage, deltas, commit, decisions.
 FAULTS = {
-    # data server S dies before acking its stage: the worker aborts on its behalf, then writes degraded
-    "data-before-its-deltas": (S, dict(method="receive_deltas", caller=S, phase="before")),
-    "data-after-one-delta-staged": (S, dict(method="receive_deltas", caller=S, phase="after")),
-    "data-after-all-deltas-staged": (S, dict(method="stage", caller=WORKER, server=S, phase="after")),
-    # data server S dies after acking its stage: the worker commits on its behalf
+    # data server S dies before answering its stage: nothing left S; the worker writes degraded
+    "data-before-stage-answer": (S, dict(method="stage", caller=WORKER, server=S, phase="after")),
+    # S dies with its deltas staged at the parity servers: the worker commits them on S's behalf
+    "data-after-its-deltas-staged": (S, dict(method="stage_deltas", caller=WORKER, server=Q, phase="after")),
     "data-before-commit": (S, dict(method="commit", caller=WORKER, server=S, phase="before")),
-    "data-mid-commit-forward": (S, dict(method="decide_deltas", caller=S, phase="after")),
     "data-after-commit-applied": (S, dict(method="commit", caller=WORKER, server=S, phase="after")),
-    # parity server Q dies: S skips it; Q's parity is re-encoded when Q is rebuilt
-    "parity-before-delta": (Q, dict(method="receive_deltas", caller=S, server=Q, phase="before")),
-    "parity-after-delta": (Q, dict(method="receive_deltas", caller=S, server=Q, phase="after")),
-    "parity-before-commit": (Q, dict(method="decide_deltas", caller=S, server=Q, phase="before")),
+    # S committed and died before the parity servers heard: the worker tells them anyway
+    "data-before-decisions": (S, dict(method="decide_many", caller=WORKER, server=Q, phase="before")),
+    # parity server Q dies: its deltas are dropped; Q's parity is re-encoded when Q is rebuilt
+    "parity-before-deltas": (Q, dict(method="stage_deltas", caller=WORKER, server=Q, phase="before")),
+    "parity-after-deltas": (Q, dict(method="stage_deltas", caller=WORKER, server=Q, phase="after")),
+    "parity-before-decisions": (Q, dict(method="decide_many", caller=WORKER, server=Q, phase="before")),
 }
 
 
@@ -297,9 +308,10 @@ def test_single_failure_at_any_step_recovers_bit_identical_to_no_failure(ctx, fa
         ("stage", WORKER, S, "after"),  # the stage answer is lost: the worker aborts the part and retries
         ("commit", WORKER, S, "after"),  # the commit answer is lost: asked again, idempotent
         ("commit", WORKER, S, "before"),
-        ("receive_deltas", S, Q, "before"),  # a delta is lost on the way: S sends it again
-        ("decide_deltas", S, Q, "before"),
-        ("decide_deltas", S, Q, "after"),  # a commit decision's answer is lost: sent again, idempotent
+        ("stage_deltas", WORKER, Q, "before"),  # the deltas are lost on the way: sent again
+        ("stage_deltas", WORKER, Q, "after"),  # their answer is lost: sent again, replacing (not adding)
+        ("decide_many", WORKER, Q, "before"),
+        ("decide_many", WORKER, Q, "after"),  # a decision's answer is lost: sent again, idempotent
     ],
 )
 def test_lost_messages_between_live_servers_change_nothing(ctx, method, caller, server, phase):
@@ -318,11 +330,11 @@ def test_delta_redelivered_after_a_lost_ack_is_applied_once(ctx):
     net, twin = Net(ctx), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
     for n in (net, twin):
-        if n is net:  # Q staged the delta but its answer is lost: S confirms Q alive and sends it again
-            n.lose_at("receive_deltas", caller=S, server=Q, phase="after")
-        n.call(WORKER, S, "stage", part.txn, g, grads)
-        n.call(WORKER, S, "commit", part.txn)
-    assert not net.hooks
+        staged = stage_part(n, S, part.txn, g, grads)
+        if n is net:  # Q staged the deltas but the answer was lost: the worker sends them again
+            b = next(b for b in staged.batches if b.parity_server == Q)
+            n.call(WORKER, Q, "stage_deltas", [wire_copy(b, Q)])
+        commit_part(n, S, part.txn, staged)
     assert_fully_recovered(net, twin)
 
 
@@ -330,34 +342,47 @@ def test_retried_stage_of_the_same_txn_is_applied_once(ctx):
     net, twin = Net(ctx), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
     for n in (net, twin):
-        n.call(WORKER, S, "stage", part.txn, g, grads)
-        if n is net:
-            n.call(WORKER, S, "stage", part.txn, g, grads)  # the worker's retry of an unanswered stage
-        n.call(WORKER, S, "commit", part.txn)
+        staged = stage_part(n, S, part.txn, g, grads)
+        if n is net:  # the worker's retry of an unanswered stage: the same answer, staged once
+            again = stage_part(n, S, part.txn, g, grads)
+            assert all(
+                same_bits(a.delta, b.delta) for a, b in zip(again.batches, staged.batches, strict=True)
+            )
+        commit_part(n, S, part.txn, staged)
     assert_fully_recovered(net, twin)
 
 
-def test_parity_servers_hold_no_trace_of_a_part_aborted_on_behalf_of_its_dead_server(ctx):
+def test_a_data_server_dying_before_its_stage_answer_leaves_no_trace_at_the_parity_servers(ctx):
     net = Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
     parity_before = {q: net[q].parity.parity.clone() for q in range(N)}
     net.kill_at("stage", victim=S, caller=WORKER, server=S, phase="after")
     with pytest.raises(PeerFailed):
         Worker(net).stage(part, g, grads, None)
-    assert any((part.txn, S) in net[q].parity.staged for q in net.live())
-    outcomes = Worker(net).decide_on_behalf(part, g, commit=False)
-    assert outcomes == ["aborted"] * K
-    for q in net.live():
-        assert net[q].staged_count() == 0 and net[q].parity.resolved[(part.txn, S)] == "aborted"
+    for q in net.live():  # its deltas were in the answer that never came
+        assert net[q].staged_count() == 0 and same_bits(net[q].parity.parity, parity_before[q])
+
+
+def test_a_part_aborted_at_its_data_server_is_dropped_by_the_parity_servers_that_got_its_deltas(ctx):
+    net = Net(ctx)
+    part, g, grads = part_at(ctx, S, 40)
+    before = logical_model(net)
+    parity_before = {q: net[q].parity.parity.clone() for q in range(N)}
+    staged = stage_part(net, S, part.txn, g, grads)
+    assert net.call(WORKER, S, "abort", part.txn) == "aborted"  # e.g. another parity server missed its deltas
+    for b in staged.batches:
+        q = b.parity_server
+        assert net[q].parity.resolved[(part.txn, S)] == "aborted" and net[q].staged_count() == 0
         assert same_bits(net[q].parity.parity, parity_before[q])
+    assert net.call(WORKER, S, "commit", part.txn) == "aborted"  # the decision stands
+    assert_same_model(logical_model(net), before)
 
 
 def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):
     net, twin = Net(ctx, wait_timeout=0.2), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
-    twin.call(WORKER, S, "stage", part.txn, g, grads)
-    twin.call(WORKER, S, "commit", part.txn)
-    net.call(WORKER, S, "stage", part.txn, g, grads)  # acked
+    commit_part(twin, S, part.txn, stage_part(twin, S, part.txn, g, grads))
+    staged = stage_part(net, S, part.txn, g, grads)  # its deltas are at the parity servers
     net.kill(S)
     # Before the worker commits on S's behalf, the acting home must not build on the undecided delta.
     gen = torch.Generator().manual_seed(8)
@@ -366,11 +391,10 @@ def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):
     sub = g[ctx.placement.parity_of(S, part.pos)[0] == ps]
     with pytest.raises(Busy):
         net.call(WORKER, ps, "stage", "y/1", sub, more[: sub.numel()], S)
-    Worker(net).decide_on_behalf(part, g, commit=True)
+    assert decide_part(net, part.txn, S, staged, commit=True) == ["committed"] * K
     net.call(WORKER, ps, "stage", "y/1", sub, more[: sub.numel()], S)
     net.call(WORKER, ps, "commit", "y/1")
-    twin.call(WORKER, S, "stage", "y/1", sub, more[: sub.numel()])
-    twin.call(WORKER, S, "commit", "y/1")
+    commit_part(twin, S, "y/1", stage_part(twin, S, "y/1", sub, more[: sub.numel()]))
     assert_matches_twin(net, twin)
 
 
@@ -400,12 +424,12 @@ def test_staged_degraded_write_is_invisible_until_commit(ctx):
     grads = torch.randn(sub.numel(), ctx.dim, generator=torch.Generator().manual_seed(2))
     before = net.call(WORKER, Q, "degraded_pull", S, sub)
     parity_before = net[Q].parity.parity.clone()
-    assert net.call(WORKER, Q, "stage", "d/1", sub, grads, S) == sub.numel()
+    staged = net.call(WORKER, Q, "stage", "d/1", sub, grads, S)
+    assert staged.rows == sub.numel() and staged.batches == []  # the acting home stages its own parity
     assert torch.equal(bits(net.call(WORKER, Q, "degraded_pull", S, sub)), bits(before))
     assert same_bits(net[Q].parity.parity, parity_before)
     assert net.call(WORKER, Q, "commit", "d/1") == "committed"
-    twin.call(WORKER, S, "stage", "d/1", sub, grads)
-    twin.call(WORKER, S, "commit", "d/1")
+    commit_part(twin, S, "d/1", stage_part(twin, S, "d/1", sub, grads))
     want = twin[S].rows.records[p.local_row(sub), : ctx.dim]
     assert torch.equal(bits(net.call(WORKER, Q, "degraded_pull", S, sub)), bits(want))
     assert_matches_twin(net, twin)
@@ -414,13 +438,12 @@ def test_staged_degraded_write_is_invisible_until_commit(ctx):
 def test_acting_home_rereads_rows_when_a_dead_servers_delta_is_committed_on_its_behalf(ctx):
     net, twin = Net(ctx), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
-    net.call(WORKER, S, "stage", part.txn, g, grads)  # acked, then S dies before the commit
+    staged = stage_part(net, S, part.txn, g, grads)  # then S dies before the commit
     net.kill(S)
     old = Worker(net).pull(g)  # decoded from committed state and materialized at the acting homes
     assert torch.equal(bits(old), bits(twin[S].rows.records[:40, : ctx.dim]))
-    Worker(net).decide_on_behalf(part, g, commit=True)
-    twin.call(WORKER, S, "stage", part.txn, g, grads)
-    twin.call(WORKER, S, "commit", part.txn)
+    decide_part(net, part.txn, S, staged, commit=True)  # the worker commits on S's behalf
+    commit_part(twin, S, part.txn, stage_part(twin, S, part.txn, g, grads))
     assert torch.equal(bits(Worker(net).pull(g)), bits(twin[S].rows.records[:40, : ctx.dim]))
     assert_matches_twin(net, twin)
 
@@ -480,8 +503,9 @@ def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_membe
     threads = []
 
     def rebuild_parity(_call) -> None:
-        # Q has applied S's commit, S has not yet. The rebuild runs concurrently, as in a server: its reads
-        # of S's rows wait until S has finished the commit, and the kept delta must then not be re-applied.
+        # S committed part a and Q has just been told (the delta is kept until Q's record is rebuilt); part b
+        # is staged at server 1 and at Q. The rebuild runs concurrently, as in a server: its reads of server
+        # 1's rows wait for b's commit, and neither kept delta may be applied on top of the rebuilt record.
         seen["pending"] = len(rep.parity.pending)
         seen["staged"] = len(rep.parity.staged)
         t = threading.Thread(
@@ -490,12 +514,13 @@ def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_membe
         t.start()
         threads.append(t)
 
-    net.on("decide_deltas", rebuild_parity, caller=S, server=Q, phase="after")
     for n in (net, twin):
-        n.call(WORKER, 1, "stage", b.txn, gb, grads_b)  # staged at Q before its records are rebuilt...
-        n.call(WORKER, S, "stage", a.txn, ga, grads_a)
-        n.call(WORKER, S, "commit", a.txn)
-        n.call(WORKER, 1, "commit", b.txn)  # ...committed after (the rebuild waits for both parts)
+        sb = stage_part(n, 1, b.txn, gb, grads_b)  # staged at Q before its records are rebuilt...
+        sa = stage_part(n, S, a.txn, ga, grads_a)
+        if n is net:
+            n.on("decide_many", rebuild_parity, caller=WORKER, server=Q, phase="after")
+        commit_part(n, S, a.txn, sa)
+        commit_part(n, 1, b.txn, sb)  # ...committed after (the rebuild waits for both parts)
         for t in threads:
             t.join()
     assert seen == {"pending": 1, "staged": 1}
@@ -506,8 +531,7 @@ def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_membe
 def test_parity_rebuilt_between_a_stage_and_its_commit_still_gets_the_update(ctx):
     net, twin = Net(ctx), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
-    for n in (net, twin):
-        n.call(WORKER, S, "stage", part.txn, g, grads)  # the delta is staged at Q
+    staged = {n: stage_part(n, S, part.txn, g, grads) for n in (net, twin)}  # the delta is staged at Q
     net.kill(Q)  # Q dies with the staged delta; its replacement is rebuilt while the worker has not committed
     net.replace(Q)
     rebuild = threading.Thread(target=net.recover, args=(Q,), kwargs={"lock_group_rows": 1000})
@@ -515,7 +539,7 @@ def test_parity_rebuilt_between_a_stage_and_its_commit_still_gets_the_update(ctx
     time.sleep(0.3)  # re-encoding the parity of S's staged rows waits for the commit
     assert rebuild.is_alive()
     for n in (net, twin):
-        assert n.call(WORKER, S, "commit", part.txn) == "committed"
+        assert commit_part(n, S, part.txn, staged[n]) == "committed"
     rebuild.join()
     assert_fully_recovered(net, twin)
 
@@ -534,8 +558,7 @@ def test_rebuild_waits_for_a_degraded_write_staged_before_the_replacement(ctx):
     assert not bool(rep.row_ready[local].any()) and not rep.rows.locks.busy(local)
     assert net.call(WORKER, ps, "commit", "d/1") == "committed"
     assert net.call(WORKER, S, "rebuild_rows", local) == 3
-    twin.call(WORKER, S, "stage", "d/1", g, grads)
-    twin.call(WORKER, S, "commit", "d/1")
+    commit_part(twin, S, "d/1", stage_part(twin, S, "d/1", g, grads))
     assert_matches_twin(net, twin)
     net.recover(S, lock_group_rows=500)
     assert_fully_recovered(net, twin)
@@ -679,7 +702,7 @@ def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
     net = Net(ctx, txn_timeout=5.0)
     part, g, grads = part_at(ctx, S, 40)
     before = logical_model(net)
-    net.call(WORKER, S, "stage", part.txn, g, grads)  # then the worker dies: no commit
+    stage_part(net, S, part.txn, g, grads)  # then the worker dies: no commit
     pservers = sorted(set(ctx.placement.parity_of(S, part.pos)[0].tolist()))
     net.clock.advance(4.0)
     assert net[S].expire() == []  # not yet
@@ -695,29 +718,58 @@ def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
     assert net.call(WORKER, S, "commit", part.txn) == "aborted"
     assert_same_model(logical_model(net), before)
     assert_parity_ok(net)
-    net.call(WORKER, S, "stage", "again/1", g, grads)
-    net.call(WORKER, S, "commit", "again/1")
+    commit_part(net, S, "again/1", stage_part(net, S, "again/1", g, grads))
     assert logical_model(net).versions[g].tolist() == [1] * 40
     assert_parity_ok(net)
 
 
-def test_expiry_and_abort_leave_a_part_whose_commit_is_being_forwarded(ctx):
+def test_parity_servers_settle_deltas_of_a_committed_part_whose_worker_died_by_asking_the_data_server(ctx):
     net, twin = Net(ctx, txn_timeout=5.0), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)
-    net.call(WORKER, S, "stage", part.txn, g, grads)
-    seen = {}
-
-    def late_expiry(_call) -> None:  # the timeout fires while S forwards the commit
-        net.clock.advance(60.0)
-        seen["expired"] = net[S].expire()
-        seen["abort"] = net[S].abort(part.txn)
-
-    net.on("decide_deltas", late_expiry, caller=S, phase="before")
-    assert net.call(WORKER, S, "commit", part.txn) == "committed"
-    assert seen == {"expired": [], "abort": "committing"}
-    twin.call(WORKER, S, "stage", part.txn, g, grads)
-    twin.call(WORKER, S, "commit", part.txn)
+    staged = stage_part(net, S, part.txn, g, grads)
+    assert net.call(WORKER, S, "commit", part.txn) == "committed"  # then the worker dies: nobody tells Q
+    pservers = [b.parity_server for b in staged.batches]
+    net.clock.advance(4.0)
+    for q in pservers:
+        net[q].expire()
+        assert (part.txn, S) in net[q].parity.staged  # not yet: the worker may still be on its way
+    net.clock.advance(2.0)
+    for q in pservers:
+        net[q].expire()  # asks S: committed
+        assert net[q].parity.resolved[(part.txn, S)] == "committed"
+    commit_part(twin, S, part.txn, stage_part(twin, S, part.txn, g, grads))
     assert_fully_recovered(net, twin)
+
+
+def test_parity_servers_wait_while_the_data_server_has_not_decided_and_drop_what_it_aborted(ctx):
+    net = Net(ctx, txn_timeout=5.0)
+    part, g, grads = part_at(ctx, S, 40)
+    before = logical_model(net)
+    staged = stage_part(net, S, part.txn, g, grads)
+    q = staged.batches[0].parity_server
+    net[q].parity.staged_at[(part.txn, S)] -= 10.0  # Q's copy is older than S's part (clocks differ)
+    net[q].expire()
+    assert net[S].outcome(part.txn) == "staged" and (part.txn, S) in net[q].parity.staged
+    net.clock.advance(6.0)
+    net[S].expire()  # S aborts the abandoned part and tells its parity servers
+    assert net[q].parity.resolved[(part.txn, S)] == "aborted"
+    assert net.staged_total() == 0
+    assert_same_model(logical_model(net), before)
+    assert_parity_ok(net)
+
+
+def test_deltas_of_a_dead_data_server_and_a_dead_worker_are_dropped_after_three_timeouts(ctx):
+    net = Net(ctx, txn_timeout=5.0)
+    part, g, grads = part_at(ctx, S, 40)
+    staged = stage_part(net, S, part.txn, g, grads)
+    net.kill(S)  # and the worker dies too: nobody can decide for S
+    q = staged.batches[0].parity_server
+    net.clock.advance(10.0)
+    net[q].expire()
+    assert (part.txn, S) in net[q].parity.staged  # a live worker would commit on S's behalf by now
+    net.clock.advance(6.0)
+    net[q].expire()
+    assert net[q].parity.resolved[(part.txn, S)] == "aborted"
 
 
 def test_expired_degraded_write_releases_the_failed_shards_rows(ctx):

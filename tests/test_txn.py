@@ -191,10 +191,11 @@ def xor_rows(parity: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> 
 
 def test_parity_stage_applies_nothing_until_commit_and_commit_is_idempotent():
     pp = parity_participant()
-    before = pp.parity.clone()
+    pp.pver[0, 3] = 3  # record 0 reflects member 3 up to version 3: the delta of version 4 is next
+    before, pver_before = pp.parity.clone(), pp.pver.clone()
     b = batch("t1", 2, index=[0, 2], slot=[3, 3], version=[4, 1])
     pp.stage(b)
-    assert torch.equal(bits(pp.parity), bits(before)) and int(pp.pver.abs().sum()) == 0
+    assert torch.equal(bits(pp.parity), bits(before)) and torch.equal(pp.pver, pver_before)
     assert [(t, i.tolist(), s.tolist()) for t, i, s in pp.staged_members(2)] == [("t1", [0, 2], [3, 3])]
     assert pp.staged_members(1) == []
 
@@ -251,6 +252,7 @@ def test_parity_deltas_commute_under_xor():
 def test_not_ready_records_keep_committed_deltas_and_install_replays_only_newer_ones():
     pp = parity_participant()
     pp.ready[torch.tensor([1, 2])] = False
+    pp.pver[0, 0] = 2  # record 0 reflects member 0 up to version 2
     start = pp.parity.clone()
     # One batch over a ready record (0) and two not-ready ones (1, 2).
     b1 = batch("t1", 1, index=[0, 1, 2], slot=[0, 0, 0], version=[3, 3, 3], seed=8)
@@ -280,6 +282,44 @@ def test_not_ready_records_keep_committed_deltas_and_install_replays_only_newer_
     assert torch.equal(bits(pp.parity[2]), bits(CODE.apply_delta(rebuilt2[0], b1.delta[2])))
     assert pp.pver[2].tolist() == [3, 0, 0, 0]
     assert pp.pending == [] and bool(pp.ready.all())
+
+
+def test_a_row_update_committed_ahead_of_its_predecessor_waits_for_it():
+    """Decisions for one row can arrive out of order; pver must keep meaning "every update up to here"."""
+    pp = parity_participant()
+    before = pp.parity.clone()
+    b1 = batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1], seed=13)
+    b2 = batch("t2", 2, index=[0], slot=[3], version=[2], seed=14)  # built on t1's value of row 0
+    pp.stage(b1)
+    pp.stage(b2)
+    assert pp.commit("t2", 2) == "committed"
+    assert torch.equal(bits(pp.parity), bits(before)) and int(pp.pver.abs().sum()) == 0
+    assert [h.txn for h in pp.held] == ["t2"]
+    assert pp.commit("t1", 2) == "committed"  # the predecessor: both apply, in order
+    want = xor_rows(xor_rows(before, b1.index, b1.delta), b2.index, b2.delta)
+    assert torch.equal(bits(pp.parity), bits(want)) and pp.held == []
+    assert pp.pver[0].tolist() == [0, 0, 0, 2] and pp.pver[1].tolist() == [0, 0, 0, 1]
+    # A re-delivered or replayed delta the record already reflects is skipped.
+    pp._apply_in_order(b1)
+    assert torch.equal(bits(pp.parity), bits(want))
+
+
+def test_undecided_deltas_expire_for_the_adapter_to_resolve():
+    pp = parity_participant()
+    pp.stage(batch("t1", 2, index=[0], slot=[3], version=[1]), now=10.0)
+    pp.stage(batch("t2", 1, index=[1], slot=[0], version=[1]), now=14.0)
+    assert pp.expired(now=15.5, timeout=5.0) == [("t1", 2)]
+    pp.abort("t1", 2)
+    assert pp.expired(now=100.0, timeout=5.0) == [("t2", 1)]
+
+
+def test_immediate_deltas_are_applied_once_per_txn():
+    pp = parity_participant()
+    b = batch("p1", 2, index=[0], slot=[3], version=[1])
+    assert pp.apply_now(b) == "committed"
+    once = pp.parity.clone()
+    assert pp.apply_now(b) == "committed"  # its ack was lost and the data server sent it again
+    assert torch.equal(bits(pp.parity), bits(once)) and pp.pver[0].tolist() == [0, 0, 0, 1]
 
 
 def test_resolved_outcomes_are_bounded():

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterable
@@ -254,10 +253,13 @@ class PSClient:
 
     # -- ECRec updates ---------------------------------------------------------------------------------
     def apply_update(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
-        """Apply one step's update with the per-part 2PC; returns when every part has committed.
+        """Apply one step's update with the worker-coordinated 2PC of docs/protocol.md; returns when every
+        part is committed exactly once.
 
-        Each part is committed as soon as its own stage is acknowledged — never after waiting for other parts
-        — so a staged row is released within one round trip and parts cannot wait on each other."""
+        Each pass: (1) stage every remaining part at its data server (or acting home); (2) deliver the
+        deltas of the staged parts to their parity servers, one message per parity server for all parts;
+        (3) commit every part whose deltas all arrived; (4) tell each parity server the decisions, again one
+        message per server. Messages per step therefore do not grow with k."""
         ctx = self.ctx
         two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
         grads = grads.to("cpu", torch.float32)
@@ -267,54 +269,149 @@ class PSClient:
             parts = update.plan(self.view())
             if not parts:
                 return
-            events: queue.Queue = queue.Queue()
-            for part in parts:
-                fut = self._send_stage(part, g, grads, dense_grad, two_pc)
-                fut.add_done_callback(lambda f, part=part, q=events: q.put(("stage", part, f)))
-            outstanding, errors = len(parts), {}
-            while outstanding:
-                phase, part, fut = events.get()
-                outstanding -= 1
+            errors: dict[int, grpc.RpcError] = {}
+            # (1) stage
+            futs = [(part, self._send_stage(part, g, grads, dense_grad, two_pc)) for part in parts]
+            staged: list[tuple[Part, list]] = []
+            for part, fut in futs:
                 try:
                     resp = fut.result()
                 except grpc.RpcError as e:
-                    if e.code() not in RETRYABLE:
-                        raise ServerUnavailable(part.target, e) from e
-                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        errors[part.target] = e  # stale map or busy rows: retry the part on the next pass
-                        continue
-                    # Unreachable: is it dead? The coordinator probes before it says so.
-                    self.report_failure(part.target)
-                    alive = not self.failed(part.target)
-                    if phase == "commit" and alive:  # commits are idempotent: ask again
-                        cf = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
-                        cf.add_done_callback(lambda f, part=part, q=events: q.put(("commit", part, f)))
-                        outstanding += 1
-                        continue
-                    if phase == "stage" and alive:  # it may have staged: undo that before retrying
-                        self._abort_part(part)
-                        continue
-                    if part.src < 0 and part.pos.numel():
-                        # stage: the data server died before acking -> drop its staged deltas, the retry
-                        # re-applies; commit: it acked, then died -> its parity servers commit for it.
-                        self._decide_on_behalf(part, g, commit=phase == "commit")
-                    if phase == "stage":
-                        continue
-                    update.committed_by_dead_target(part)  # it acked, then died: see StepUpdate
+                    self._stage_failed(part, e, errors)
                     continue
-                if phase == "stage" and (two_pc or part.src >= 0):
-                    fault_point("worker:before_commit")
-                    cf = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
-                    fault_point("worker:mid_commit")
-                    cf.add_done_callback(lambda f, part=part, q=events: q.put(("commit", part, f)))
-                    outstanding += 1
-                    continue
-                if phase == "commit" and resp.outcome not in ("committed", "committing"):
-                    continue  # aborted by the server's timeout: retry the part
-                update.committed(part)
+                if not two_pc and part.src < 0:
+                    update.committed(part)  # applied at once; its deltas went straight to the parity servers
+                else:
+                    staged.append((part, list(resp.deltas)))
+            fault_point("worker:after_stage")
+            # (2) deltas
+            undelivered = self._deliver_deltas(staged, errors)
+            ready = []
+            for part, deltas in staged:
+                if undelivered & {d.parity_server for d in deltas}:
+                    self._abort_part(part)  # it tells the parity servers that did get its deltas
+                else:
+                    ready.append((part, deltas))
+            # (3) commit
+            fault_point("worker:before_commit")
+            cfuts = []
+            for part, deltas in ready:
+                req = pb.TxnRequest(epoch=self.epoch, txn=part.txn)
+                cfuts.append((part, deltas, self._call(part.target, "Commit", req)))
+                fault_point("worker:mid_commit")
+            decisions: dict[int, list[pb.DeltaDecision]] = {}
+            for part, deltas, fut in cfuts:
+                outcome = self._commit_outcome(part, fut)
+                if outcome == "committed":
+                    update.committed(part)
+                elif outcome == "gone":
+                    # It died (or was replaced) after staging: its staged records are gone, but its deltas
+                    # are staged at the parity servers. Committing them applies the update exactly once —
+                    # the rows are decoded from parity from now on.
+                    update.committed_by_dead_target(part)
+                else:
+                    continue  # aborted (its txnTimeout expired): it told the parity servers; retry the part
+                for d in deltas:
+                    decisions.setdefault(d.parity_server, []).append(
+                        pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
+                    )
+            # (4) decisions
+            fault_point("worker:before_decide")
+            self._send_decisions(decisions)
             for server, e in errors.items():
                 self._recover_from(server, e)
         raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
+
+    def _stage_failed(self, part: Part, e: grpc.RpcError, errors: dict) -> None:
+        if e.code() not in RETRYABLE:
+            raise ServerUnavailable(part.target, e) from e
+        if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            errors[part.target] = e  # stale map or busy rows: retry the part on the next pass
+            return
+        # Unreachable: is it dead? The coordinator probes before it says so. Nothing of the part left the
+        # server (its deltas come back in the answer), so a dead one needs nothing undone.
+        self.report_failure(part.target)
+        if not self.failed(part.target):
+            self._abort_part(part)  # alive: it may have staged; undo that before retrying
+
+    def _deliver_deltas(self, staged: list[tuple[Part, list]], errors: dict) -> set[int]:
+        """StageDeltas to every parity server at once; returns the live servers that did not get theirs."""
+        by_server: dict[int, list] = {}
+        for _part, deltas in staged:
+            for d in deltas:
+                by_server.setdefault(d.parity_server, []).append(d)
+        undelivered: set[int] = set()
+        for _try in range(3):
+            calls = []
+            for server, batches in by_server.items():
+                if self.failed(server):
+                    continue  # its parity is re-encoded from the data rows when it is rebuilt
+                for d in batches:
+                    self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(d.delta))
+                req = pb.StageDeltasRequest(epoch=self.epoch, batches=batches)
+                calls.append((server, self._call(server, "StageDeltas", req)))
+            undelivered, retry = set(), {}
+            for server, fut in calls:
+                try:
+                    fut.result()
+                except grpc.RpcError as e:
+                    if e.code() not in RETRYABLE:
+                        raise ServerUnavailable(server, e) from e
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        self.report_failure(server)
+                        if not self.failed(server):
+                            retry[server] = by_server[server]  # alive: a re-delivery replaces, not adds
+                    else:
+                        errors[server] = e
+                        undelivered.add(server)
+            if not retry:
+                return undelivered
+            by_server = retry
+        return undelivered | set(by_server)
+
+    def _commit_outcome(self, part: Part, fut: grpc.Future) -> str:
+        """committed, aborted, or gone (the target died or was replaced after its stage was answered)."""
+        for _try in range(5):
+            try:
+                outcome = fut.result().outcome
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise ServerUnavailable(part.target, e) from e
+                self.report_failure(part.target)
+                if self.failed(part.target):
+                    return "gone"
+                fut = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
+                continue  # alive: commits are idempotent, ask again
+            if outcome == "unknown":  # a replacement answered: the process that staged the part is gone
+                return "gone"
+            return outcome
+        return "gone" if self.failed(part.target) else "aborted"
+
+    def _send_decisions(self, decisions: dict[int, list]) -> None:
+        """DecideMany to every parity server at once. One that cannot be told now asks the data server for
+        the outcome when its staged deltas time out (ShardStore.expire), so this is best effort."""
+        pending = dict(decisions)
+        for _try in range(3):
+            calls = [
+                (
+                    server,
+                    self._call(server, "DecideMany", pb.DecisionsRequest(epoch=self.epoch, decisions=ds)),
+                )
+                for server, ds in pending.items()
+                if not self.failed(server)
+            ]
+            retry = {}
+            for server, fut in calls:
+                try:
+                    fut.result()
+                except grpc.RpcError as e:
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        self.report_failure(server)
+                    retry[server] = pending[server]
+            if not retry:
+                return
+            pending = retry
+        log.warning("decisions for parity servers %s not delivered; they will ask", sorted(pending))
 
     def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> grpc.Future:
         ctx = self.ctx
@@ -358,22 +455,6 @@ class PSClient:
             self.stubs[part.target].Abort(pb.TxnRequest(epoch=self.epoch, txn=part.txn), timeout=self.timeout)
         except grpc.RpcError as e:
             log.warning("could not abort %s at server %d: %s", part.txn, part.target, e.code().name)
-
-    def _decide_on_behalf(self, part: Part, g: torch.Tensor, commit: bool) -> None:
-        """Decide a dead data server's staged deltas at its (live) parity servers."""
-        p = self.ctx.placement
-        local = p.local_row(g[part.pos])
-        for j in range(p.r):
-            for ps, _pos, _idx in p.group_by_parity(part.target, local, j):
-                if self.failed(ps) or ps not in self.stubs:
-                    continue
-                try:
-                    self.stubs[ps].DecideDeltas(
-                        pb.DeltaDecision(epoch=self.epoch, txn=part.txn, src=part.target, commit=commit),
-                        timeout=self.timeout,
-                    )
-                except grpc.RpcError as e:
-                    log.warning("could not decide %s at server %d: %s", part.txn, ps, e.code().name)
 
     # -- whole records ---------------------------------------------------------------------------------
     def read_records(self, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:

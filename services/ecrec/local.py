@@ -291,6 +291,8 @@ def run_local(
         extra["rpcs_served"] = rpcs_served(cluster.get("/cluster"))  # before evaluation adds its reads
         client = PSClient(ctx, cluster.get("/cluster"))
         try:
+            if ctx.ecrec:
+                _wait_settled(client, ctx.spec.fault_tolerance.ecrec.txn_timeout_seconds)
             ev = evaluate(client, data_source(ctx).eval_batches(4096))
             digest = client.params_sha256()
             if ctx.ecrec:
@@ -360,6 +362,15 @@ def rpcs_served(cluster: dict) -> dict[str, int]:
                     method = sample.labels["method"]
                     out[method] = out.get(method, 0) + int(sample.value)
     return dict(sorted(out.items()))
+
+
+def _wait_settled(client, txn_timeout: float) -> None:
+    """A worker that died mid-update leaves parts staged; the servers settle them within a few txnTimeouts
+    (ShardStore.expire). The report's checks describe the state with nothing in flight, so give them that
+    time — and no more: what is still staged afterwards is reported (staged_after) as the bug it is."""
+    deadline = time.monotonic() + 3 * txn_timeout + 5.0
+    while sum(client.staged_counts()) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: float = 300.0) -> None:

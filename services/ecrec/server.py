@@ -121,18 +121,8 @@ class GrpcPeers:
     def deltas(self, batches: list[DeltaBatch], immediate: bool, epoch: int) -> dict[int, Exception | None]:
         calls = []
         for b in batches:
-            payload = floats_to_bytes(b.delta)
-            self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(payload))
-            req = pb.DeltaRequest(
-                epoch=epoch,
-                txn=b.txn,
-                src=b.src,
-                index=ids_to_bytes(b.index),
-                slot=ids_to_bytes(b.slot),
-                delta=payload,
-                version=ids_to_bytes(b.version),
-                immediate=immediate,
-            )
+            req = delta_message(b, epoch=epoch, immediate=immediate)
+            self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(req.delta))
             calls.append(
                 (b.parity_server, self.stub(b.parity_server).Delta.future(req, timeout=self.timeout))
             )
@@ -186,6 +176,12 @@ class GrpcPeers:
         recs = bytes_to_floats(resp.records, resp.count, resp.width).clone()
         return recs, list(resp.txns)
 
+    def outcome(self, server: int, txn: str) -> str:
+        try:
+            return self.stub(server).Outcome(pb.TxnRequest(txn=txn), timeout=self.timeout).outcome
+        except grpc.RpcError as e:
+            raise PeerFailed(server, f"{e.code().name}: {e.details()}") from e
+
     def confirm_failed(self, server: int) -> bool:
         return self.view.confirm_failed(server, reporter=f"server-{self.me}")
 
@@ -195,6 +191,21 @@ class GrpcPeers:
     def failure_key(self, server: int) -> int:
         """Which failure of `server` this is: its incarnation, bumped by every replacement."""
         return int(self.view.shard(server).get("incarnation", 0))
+
+
+def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.DeltaRequest:
+    """One part's deltas for one parity server, as raw bytes."""
+    return pb.DeltaRequest(
+        epoch=epoch,
+        txn=b.txn,
+        src=b.src,
+        index=ids_to_bytes(b.index),
+        slot=ids_to_bytes(b.slot),
+        delta=floats_to_bytes(b.delta),
+        version=ids_to_bytes(b.version),
+        immediate=immediate,
+        parity_server=b.parity_server,
+    )
 
 
 def rpc(method: str, check_epoch: bool = True):
@@ -310,9 +321,9 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
-        n = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch)
-        self.metrics.of(self.metrics.rows, kind="stage").inc(n)
-        return pb.StageResponse(staged=n)
+        staged = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch)
+        self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
+        return pb.StageResponse(staged=staged.rows, deltas=[delta_message(b) for b in staged.batches])
 
     @rpc("Commit", check_epoch=False)
     def Commit(self, request, context):
@@ -322,8 +333,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     def Abort(self, request, context):
         return pb.TxnResponse(outcome=self.store.abort(request.txn))
 
-    @rpc("Delta", check_epoch=False)
-    def Delta(self, request, context):
+    def _batch(self, request) -> DeltaBatch:
         index, slot, version = (
             bytes_to_ids(request.index),
             bytes_to_ids(request.slot),
@@ -337,15 +347,40 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             raise InvalidRequest("index: parity indices out of range")
         if n and (int(slot.min()) < 0 or int(slot.max()) >= self.store.placement.k):
             raise InvalidRequest("slot: out of range")
-        batch = DeltaBatch(
+        if not 0 <= request.src < self.store.ctx.num_servers:
+            raise InvalidRequest(f"src: no shard {request.src}")
+        return DeltaBatch(
             self.store.shard, request.txn, request.src, index.clone(), slot.clone(), delta, version.clone()
         )
-        self.store.receive_deltas(batch, request.immediate)
+
+    @rpc("Delta", check_epoch=False)
+    def Delta(self, request, context):
+        self.store.receive_deltas(self._batch(request), request.immediate)
         return pb.TxnResponse(outcome="staged" if not request.immediate else "applied")
+
+    @rpc("StageDeltas")
+    def StageDeltas(self, request, context):
+        batches = [self._batch(b) for b in request.batches]  # all validated before any is staged
+        self.store.stage_deltas(batches)
+        m = self.metrics
+        m.of(m.rows, kind="delta").inc(sum(b.index.numel() for b in batches))
+        return pb.TxnResponse(outcome="staged")
 
     @rpc("DecideDeltas", check_epoch=False)
     def DecideDeltas(self, request, context):
         return pb.TxnResponse(outcome=self.store.decide_deltas(request.txn, request.src, request.commit))
+
+    @rpc("DecideMany", check_epoch=False)
+    def DecideMany(self, request, context):
+        for d in request.decisions:
+            if not 0 <= d.src < self.store.ctx.num_servers:
+                raise InvalidRequest(f"src: no shard {d.src}")
+        outcomes = self.store.decide_many([(d.txn, d.src, d.commit) for d in request.decisions])
+        return pb.DecisionsResponse(outcomes=outcomes)
+
+    @rpc("Outcome", check_epoch=False)
+    def Outcome(self, request, context):
+        return pb.TxnResponse(outcome=self.store.outcome(request.txn))
 
     @rpc("ReadRows", check_epoch=False)
     def ReadRows(self, request, context):

@@ -27,6 +27,21 @@ from ecrec.wire import InvalidRequest, check_finite
 
 INIT_BLOCK_ROWS = 1 << 18  # initialize tables in blocks to bound the temporaries of the hash init
 CONSISTENT_READ_TRIES = 200
+# How long a stage waits for rows another worker's part holds before answering Busy. A worker holds its
+# staged parts until every stage of its pass is answered, so two workers staging the same hot rows on two
+# servers in opposite orders would wait for each other: the bound turns that into a quick retry. Rows
+# locked by a recovery lock group are waited for up to wait_timeout (the group finishes on its own).
+ROW_LOCK_WAIT = 0.05
+REBUILD_TXN = "recovery:"
+
+
+@dataclass
+class Staged:
+    """A stage's answer: rows staged and, for the server's own rows, the deltas the worker must deliver to
+    their parity servers before it commits."""
+
+    rows: int
+    batches: list[DeltaBatch]
 
 
 class PeerFailed(Exception):
@@ -67,6 +82,8 @@ class Peers(Protocol):
 
     def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]: ...
 
+    def outcome(self, server: int, txn: str) -> str: ...
+
     def confirm_failed(self, server: int) -> bool: ...
 
     def is_failed(self, server: int) -> bool: ...
@@ -85,6 +102,9 @@ class NoPeers:
         raise PeerFailed(-1, "no peers")
 
     def dense_copy(self, server, chunk, epoch):
+        raise PeerFailed(server, "no peers")
+
+    def outcome(self, server, txn):
         raise PeerFailed(server, "no peers")
 
     def confirm_failed(self, server):
@@ -162,7 +182,6 @@ class ShardStore:
             self.dense_ready[c] = not replacement or len(ctx.dense_holders(c)) == 1
             self.dense_log[c] = OrderedDict()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
-        self.committing: set[str] = set()
         self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
 
     @property
@@ -212,15 +231,16 @@ class ShardStore:
             raise InvalidRequest(f"grads: expected shape ({n}, {self.dim}), got {tuple(grads.shape)}")
         check_finite(grads, "grads")
 
-    def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait (holding self.lock on return) until ready(); Busy after wait_timeout."""
-        deadline = time.monotonic() + self.wait_timeout
+    def _wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Wait (holding self.lock on return) until ready(); Busy after `timeout` (default wait_timeout)."""
+        timeout = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         waited = False
         while not ready():
             waited = True
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Busy(f"{what}: still busy after {self.wait_timeout:.0f}s")
+                raise Busy(f"{what}: still busy after {timeout:.2f}s")
             self.cond.wait(timeout=min(left, 0.1))
         if waited:
             self.stats["buffered"] += 1
@@ -229,6 +249,12 @@ class ShardStore:
         if chunk not in self.dense:
             raise InvalidRequest(f"chunk: dense chunk {chunk} is not held by shard {self.shard}")
         return self.dense[chunk]
+
+    def _wait_rows(self, locks: RowLocks, rows: torch.Tensor, txn: str, what: str) -> None:
+        """Wait for rows held by others: briefly for another worker's part (see ROW_LOCK_WAIT), longer for a
+        recovery lock group."""
+        self._wait(lambda: not any(h.startswith(REBUILD_TXN) for h in locks.holders_of(rows)), what)
+        self._wait(lambda: not locks.busy(rows, txn), what, timeout=ROW_LOCK_WAIT)
 
     def _remember(self, txn: str, outcome: str) -> None:
         self.outcomes[txn] = outcome
@@ -435,7 +461,7 @@ class ShardStore:
 
     def rebuild_rows(self, local: torch.Tensor) -> int:
         """Rebuild one lock group: lock, gather + decode, install, unlock (queued requests then run)."""
-        group = f"recovery:{id(local)}:{time.monotonic_ns()}"
+        group = f"{REBUILD_TXN}{id(local)}:{time.monotonic_ns()}"
         with self.lock:
             self._wait(lambda: not self.rows.locks.busy(local), "rows being rebuilt")
             todo = local[~self.row_ready[local]]
@@ -579,8 +605,9 @@ class ShardStore:
         src: int = -1,
         dense: dict[int, torch.Tensor] | None = None,
         epoch: int = 0,
-    ) -> int:
-        """Phase 1 of a part (docs/protocol.md). Returns the number of rows staged."""
+    ) -> Staged:
+        """Phase 1 of a part (docs/protocol.md): stage the new records; the answer carries the deltas for the
+        worker to deliver to the parity servers (nothing is sent from here)."""
         src = self.shard if src < 0 else src
         local = self.local_rows(g, src)
         self._check_grads(grads, local.numel())
@@ -590,7 +617,7 @@ class ShardStore:
                 raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
             check_finite(dg, "dense_grads")
         if src != self.shard:
-            return self._stage_acting(txn, src, local, grads)
+            return Staged(self._stage_acting(txn, src, local, grads), [])
         self.ensure_rows(local)
         with self.lock:
             if txn in self.outcomes:
@@ -599,26 +626,19 @@ class ShardStore:
                 if epoch and epoch < self.dense_min_epoch.get(c, 0):
                     raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
             self._wait(
-                lambda: (
-                    all(self.dense_ready[c] and c not in self.dense_copying for c in dense)
-                    and not self.rows.locks.busy(local, txn)
-                ),
-                "rows staged by another txn",
+                lambda: all(self.dense_ready[c] and c not in self.dense_copying for c in dense),
+                "dense chunk being copied",
             )
+            if txn not in self.rows.staged:
+                self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn")
             # A step whose dense update the copy from the surviving replica already contains is not
             # applied again (replicas stay bit-identical).
             dense = {c: dg for c, dg in dense.items() if step_of(txn) not in self.dense_log[c]}
-            part = self.rows.stage(txn, local, grads, self.clock())
+            part = self.rows.stage(txn, local, grads, self.clock())  # a retried stage gets the same part
             if dense:
                 self.dense_staged[txn] = {c: dg.clone() for c, dg in dense.items()}
         fault_point("stage:after_local")
-        try:
-            self._send_deltas(part.batches, immediate=False)
-        except PeerFailed:
-            self.abort(txn)
-            raise
-        fault_point("stage:after_deltas")
-        return local.numel()
+        return Staged(local.numel(), list(part.batches))
 
     def _stage_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
         """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows."""
@@ -634,6 +654,7 @@ class ShardStore:
             self._wait(
                 lambda: not locks.busy(local, txn) and not self._staged_from_rows(src, local),
                 "rows of a failed shard staged by another txn",
+                timeout=ROW_LOCK_WAIT,
             )
             locks.lock(txn, local)
         try:
@@ -665,7 +686,9 @@ class ShardStore:
         return False
 
     def commit(self, txn: str) -> str:
-        """Phase 2: forward the decision to the parity servers, then apply locally."""
+        """Phase 2 at the data server, the part's decision point: apply the staged records (and dense
+        chunks) and release the rows. The worker then tells the parity servers; a parity server that never
+        hears asks here (outcome)."""
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
@@ -681,21 +704,12 @@ class ShardStore:
                 self.cond.notify_all()
                 return "committed"
             part = self.rows.staged.get(txn)
-            dense = self.dense_staged.get(txn)
+            dense = self.dense_staged.pop(txn, None)
             if part is None and dense is None:
                 return "unknown"
-            if txn in self.committing:
-                return "committing"
-            # From here on the part is decided: neither the timeout nor an abort may undo it.
-            self.committing.add(txn)
-        if part is not None:
-            self._decide(list(part.parity_servers), txn, commit=True)
-        fault_point("commit:after_forward")
-        with self.lock:
-            self.committing.discard(txn)
             if part is not None:
                 self.rows.commit(txn)
-            for c, dg in (self.dense_staged.pop(txn, None) or {}).items():
+            for c, dg in (dense or {}).items():
                 self.dense[c] = self.opt.apply(self.dense[c], dg.reshape(-1, 1))
                 log = self.dense_log[c]
                 log[step_of(txn)] = None
@@ -706,12 +720,19 @@ class ShardStore:
         fault_point("commit:after_apply")
         return "committed"
 
+    def outcome(self, txn: str) -> str:
+        """What this data server decided about a part: committed, aborted, staged (undecided) or unknown."""
+        with self.lock:
+            if txn in self.outcomes:
+                return self.outcomes[txn]
+            if txn in self.rows.staged or txn in self.dense_staged or txn in self.acting_staged:
+                return "staged"
+            return "unknown"
+
     def abort(self, txn: str) -> str:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            if txn in self.committing:
-                return "committing"
             acting = self.acting_staged.pop(txn, None)
             if acting is not None:
                 self.parity.abort(txn, acting[0])
@@ -749,23 +770,62 @@ class ShardStore:
         return out
 
     def receive_deltas(self, batch: DeltaBatch, immediate: bool) -> None:
-        with self.lock:
-            if immediate:
-                self.parity.apply(batch)
-            else:
-                self.parity.stage(batch)
-        fault_point("delta:after_stage")
+        """Deltas of another server's rows (from the worker, or from the data server without 2PC)."""
+        self.stage_deltas([batch], immediate)
 
-    def expire(self) -> list[str]:
-        """Abort parts whose worker never committed (it died): no row stays staged forever (I4)."""
+    def stage_deltas(self, batches: list[DeltaBatch], immediate: bool = False) -> None:
+        for b in batches:
+            if b.parity_server != self.shard or b.src == self.shard:
+                raise InvalidRequest(
+                    f"deltas: batch for server {b.parity_server} from {b.src} sent to {self.shard}"
+                )
         with self.lock:
             now = self.clock()
-            stale = [t for t in self.rows.expired(now, self.txn_timeout) if t not in self.committing]
+            for b in batches:
+                if immediate:
+                    self.parity.apply_now(b)
+                else:
+                    self.parity.stage(b, now)
+            self.cond.notify_all()
+        fault_point("delta:after_stage")
+
+    def decide_many(self, decisions: list[tuple[str, int, bool]]) -> list[str]:
+        """Decisions about staged deltas, (txn, src, commit) each, in one message from the worker."""
+        return [self.decide_deltas(txn, src, commit) for txn, src, commit in decisions]
+
+    def expire(self) -> list[str]:
+        """Resolve what a dead worker left undecided (I4): abort its parts staged here, and settle deltas
+        staged here by asking their data server what it decided."""
+        with self.lock:
+            now = self.clock()
+            stale = list(self.rows.expired(now, self.txn_timeout))
             # degraded writes whose worker died expire too, or the failed shard's rows would stay locked
             stale += [t for t, a in self.acting_staged.items() if now - a[4] > self.txn_timeout]
+            undecided = [
+                (key, now - self.parity.staged_at[key])
+                for key in self.parity.expired(now, self.txn_timeout)
+                if key[0] not in self.acting_staged  # this server's own degraded writes: aborted above
+            ]
         for txn in stale:
             self.abort(txn)
+        for (txn, src), age in undecided:
+            self._settle(txn, src, age)
         return stale
+
+    def _settle(self, txn: str, src: int, age: float) -> None:
+        """A delta no worker decided: its data server's outcome decides. If that server is gone, the worker
+        that staged the part decides on its behalf; if nobody has after three timeouts, nobody will (the
+        worker died too) and dropping the delta is consistent, as the data server's records are gone."""
+        answer = "unknown"
+        if not self.peers.is_failed(src):
+            try:
+                answer = self.peers.outcome(src, txn)
+            except PeerFailed:
+                answer = "unknown"
+        if answer == "committed":
+            self.decide_deltas(txn, src, True)
+        elif answer == "aborted" or (answer == "unknown" and age > 3 * self.txn_timeout):
+            self.decide_deltas(txn, src, False)
 
 
 @dataclass

@@ -61,6 +61,11 @@ class RowLocks:
         mine = self._ids.get(txn, -2) if txn is not None else -2
         return bool(((owners != self.FREE) & (owners != mine)).any())
 
+    def holders_of(self, rows: torch.Tensor) -> set[str]:
+        """The txns holding any of `rows`."""
+        ids = set(self.owner[rows].unique().tolist()) - {self.FREE}
+        return {t for t, i in self._ids.items() if i in ids} if ids else set()
+
     def lock(self, txn: str, rows: torch.Tensor) -> None:
         if self.busy(rows, txn):
             raise RowsBusy(txn)
@@ -164,21 +169,39 @@ class ParityParticipant:
     pver: torch.Tensor  # [P, k] int64: member versions the parity reflects
     ready: torch.Tensor | None = None  # [P] bool; False while a replacement has not rebuilt the record
     staged: dict[tuple[str, int], list[DeltaBatch]] = field(default_factory=dict)
+    staged_at: dict[tuple[str, int], float] = field(default_factory=dict)
     resolved: OrderedDict = field(default_factory=OrderedDict)
     pending: list[DeltaBatch] = field(default_factory=list)  # committed before their record was rebuilt
+    held: list[DeltaBatch] = field(default_factory=list)  # committed ahead of a member's previous update
     max_resolved: int = 65536
 
     def __post_init__(self) -> None:
         if self.ready is None:
             self.ready = torch.ones(self.parity.shape[0], dtype=torch.bool)
 
-    def stage(self, batch: DeltaBatch) -> None:
+    def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
         """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
         lost and the sender retried) replaces the first instead of being applied twice."""
         key = (batch.txn, batch.src)
         if key in self.resolved:
             return  # a late duplicate of something already decided
         self.staged[key] = [batch]
+        self.staged_at[key] = now
+
+    def apply_now(self, batch: DeltaBatch) -> str:
+        """Stage and commit in one (updates without 2PC); a re-delivered batch is applied once."""
+        key = (batch.txn, batch.src)
+        if key in self.resolved:
+            return self.resolved[key]
+        self.staged.pop(key, None)
+        self.staged_at.pop(key, None)
+        self.apply(batch)
+        self._resolve(key, "committed")
+        return "committed"
+
+    def expired(self, now: float, timeout: float) -> list[tuple[str, int]]:
+        """(txn, src) of deltas undecided for longer than `timeout`: the adapter asks their data server."""
+        return [key for key, at in self.staged_at.items() if now - at > timeout]
 
     def staged_members(self, src: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(txn, parity index, slot) of deltas from `src` still undecided: those rows are busy."""
@@ -190,6 +213,7 @@ class ParityParticipant:
         if key in self.resolved:
             return self.resolved[key]
         batches = self.staged.pop(key, None)
+        self.staged_at.pop(key, None)
         if batches is None:
             return "unknown"
         for b in batches:
@@ -202,61 +226,62 @@ class ParityParticipant:
         if key in self.resolved:
             return self.resolved[key]
         self.staged.pop(key, None)
+        self.staged_at.pop(key, None)
         self._resolve(key, "aborted")
         return "aborted"
 
     def apply(self, b: DeltaBatch) -> None:
-        """Apply one delta batch to ready records now; keep the rest for after their rebuild."""
+        """Apply one committed delta batch: rows whose record is not rebuilt yet are kept for the rebuild;
+        the others are applied in version order (see _apply_in_order)."""
         ready = self.ready[b.index]
         if not bool(ready.all()):
-            keep = ~ready
-            self.pending.append(
-                DeltaBatch(
-                    b.parity_server, b.txn, b.src, b.index[keep], b.slot[keep], b.delta[keep], b.version[keep]
-                )
-            )
+            self.pending.append(_rows(b, ~ready))
             if not bool(ready.any()):
                 return
-            b = DeltaBatch(
-                b.parity_server, b.txn, b.src, b.index[ready], b.slot[ready], b.delta[ready], b.version[ready]
-            )
-        # Versions make application idempotent: a delta the record already reflects is not applied again.
-        newer = b.version > self.pver[b.index, b.slot]
-        if not bool(newer.all()):
-            b = DeltaBatch(
-                b.parity_server, b.txn, b.src, b.index[newer], b.slot[newer], b.delta[newer], b.version[newer]
-            )
-        self.code.apply_delta_(self.parity, b.index, b.delta)
-        self.pver[b.index, b.slot] = b.version
+            b = _rows(b, ready)
+        self._apply_in_order(b)
+
+    def _apply_in_order(self, b: DeltaBatch) -> None:
+        """pver holds, per record and member, the version up to which every update is reflected. A delta
+        the record already reflects is skipped (duplicates, replays after a rebuild); one that is next
+        is applied; one further ahead is held until its predecessor is applied. Decisions for one row can
+        arrive out of order — the worker delivers them after the data server committed, and a later update
+        of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
+        cur = self.pver[b.index, b.slot]
+        now = b.version == cur + 1
+        ahead = b.version > cur + 1
+        if bool(ahead.any()):
+            self.held.append(_rows(b, ahead))
+        if not bool(now.any()):
+            return
+        self.code.apply_delta_(self.parity, b.index[now], b.delta[now])
+        self.pver[b.index[now], b.slot[now]] = b.version[now]
+        if self.held:
+            held, self.held = self.held, []
+            for h in held:
+                self._apply_in_order(h)
 
     def install(self, index: torch.Tensor, records: torch.Tensor, versions: torch.Tensor) -> None:
         """Install rebuilt parity records; replay kept deltas newer than what the rebuild reflects."""
         self.parity[index] = records
         self.pver[index] = versions
         self.ready[index] = True
-        still = []
-        for b in self.pending:
+        kept, self.pending = self.pending, []
+        for b in kept:
             now_ready = self.ready[b.index]
-            newer = now_ready & (b.version > self.pver[b.index, b.slot])
-            if bool(newer.any()):
-                self.code.apply_delta_(self.parity, b.index[newer], b.delta[newer])
-                self.pver[b.index[newer], b.slot[newer]] = b.version[newer]
+            if bool(now_ready.any()):
+                self._apply_in_order(_rows(b, now_ready))
             if not bool(now_ready.all()):
-                keep = ~now_ready
-                still.append(
-                    DeltaBatch(
-                        b.parity_server,
-                        b.txn,
-                        b.src,
-                        b.index[keep],
-                        b.slot[keep],
-                        b.delta[keep],
-                        b.version[keep],
-                    )
-                )
-        self.pending = still
+                self.pending.append(_rows(b, ~now_ready))
 
     def _resolve(self, key: tuple[str, int], outcome: str) -> None:
         self.resolved[key] = outcome
         while len(self.resolved) > self.max_resolved:
             self.resolved.popitem(last=False)
+
+
+def _rows(b: DeltaBatch, mask: torch.Tensor) -> DeltaBatch:
+    """The rows of a batch selected by a boolean mask."""
+    return DeltaBatch(
+        b.parity_server, b.txn, b.src, b.index[mask], b.slot[mask], b.delta[mask], b.version[mask]
+    )

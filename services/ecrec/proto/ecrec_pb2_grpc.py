@@ -89,6 +89,21 @@ class ParameterServerStub:
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DeltaDecision.SerializeToString,
                 response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
                 _registered_method=True)
+        self.StageDeltas = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/StageDeltas',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
+                _registered_method=True)
+        self.DecideMany = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/DecideMany',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DecisionsRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DecisionsResponse.FromString,
+                _registered_method=True)
+        self.Outcome = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/Outcome',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.TxnRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
+                _registered_method=True)
         self.ReadRows = channel.unary_unary(
                 '/ecrec.v1.ParameterServer/ReadRows',
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.ReadRowsRequest.SerializeToString,
@@ -180,6 +195,25 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageDeltas(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecideMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outcome(self, request, context):
+        """parity server -> data server: what did you decide?
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadRows(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -260,6 +294,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'DecideDeltas': grpc.unary_unary_rpc_method_handler(
                     servicer.DecideDeltas,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DeltaDecision.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.SerializeToString,
+            ),
+            'StageDeltas': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageDeltas,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.SerializeToString,
+            ),
+            'DecideMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecideMany,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DecisionsRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.DecisionsResponse.SerializeToString,
+            ),
+            'Outcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.Outcome,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.TxnRequest.FromString,
                     response_serializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.SerializeToString,
             ),
             'ReadRows': grpc.unary_unary_rpc_method_handler(
@@ -579,6 +628,87 @@ class ParameterServer:
             target,
             '/ecrec.v1.ParameterServer/DecideDeltas',
             ecrec_dot_proto_dot_ecrec__pb2.DeltaDecision.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageDeltas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/StageDeltas',
+            ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecideMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/DecideMany',
+            ecrec_dot_proto_dot_ecrec__pb2.DecisionsRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.DecisionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/Outcome',
+            ecrec_dot_proto_dot_ecrec__pb2.TxnRequest.SerializeToString,
             ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
             options,
             channel_credentials,
