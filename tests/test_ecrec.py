@@ -114,14 +114,21 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
     assert len(report["recoveries"]) == len(kills)
     if not kills:  # every step stages, delivers deltas, commits, decides: the worker sends all of them
         served = report["rpcs_served"]
-        assert min(served.get(m, 0) for m in ("Stage", "StageDeltas", "Commit", "DecideMany")) >= 4 * 40, served
+        assert min(served.get(m, 0) for m in ("Stage", "StageDeltas", "Commit", "DecideMany")) >= 4 * 40, (
+            served
+        )
         assert not {"Push", "Delta"} & set(served), served  # no server-to-server difference propagation
 
 
 def test_worker_killed_mid_transaction_leaves_nothing_staged(tmp_path):
     ctx = make_ctx(
         "lost-worker",
-        **{**HOT, "workers__replicas": 2, "training__steps": 60, "faultTolerance__ecrec__txnTimeoutSeconds": 3},
+        **{
+            **HOT,
+            "workers__replicas": 2,
+            "training__steps": 60,
+            "faultTolerance__ecrec__txnTimeoutSeconds": 3,
+        },
     )
     report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:mid_commit@20")
     assert report["fault"]["fired"]
