@@ -152,10 +152,13 @@ TRAINING_RPCS = (
     "Push",
     "PushDense",
     "Stage",
+    "StageDeltas",
     "Commit",
+    "DecideMany",
     "Abort",
     "Delta",
     "DecideDeltas",
+    "Outcome",
 )
 
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -51,7 +52,7 @@ class ServerUnavailable(RuntimeError):
 class Pending:
     """RPCs in flight; `wait()` returns their responses or raises ServerUnavailable for the first failure."""
 
-    calls: list[tuple[int, str, grpc.Future]]
+    calls: list[tuple[int, str, Future]]
     client: PSClient
 
     def wait(self, timeout: float | None = None) -> list:
@@ -78,6 +79,8 @@ class PSClient:
         self.incarnations: dict[int, int] = {}
         self.epoch = 0
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
+        # Enough threads for the training thread's pulls and the update thread's fan-out at once.
+        self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
         self.update_cluster(cluster)
 
     @classmethod
@@ -140,15 +143,21 @@ class PSClient:
             return MapView(self.epoch, failed, dict(self.incarnations))
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self.channels.values():
             ch.close()
         if self.http is not None:
             self.http.close()
 
-    def _call(self, shard: int, method: str, request) -> grpc.Future:
-        return getattr(self.stubs[shard], method).future(request, timeout=self.timeout)
+    def _call(self, shard: int, method: str, request) -> Future:
+        """Start one RPC; the future's result() returns the response or raises the grpc.RpcError.
 
-    def _result(self, shard: int, method: str, fut: grpc.Future, timeout: float | None = None):
+        Blocking calls on a thread pool, not grpc's `.future()`: each `.future()` on an idle channel starts
+        a polling thread, and measured on this project's 2-core machine a fan-out of unary calls costs about
+        2.4x the client CPU that way (370 vs 150 µs per call)."""
+        return self._pool.submit(getattr(self.stubs[shard], method), request, timeout=self.timeout)
+
+    def _result(self, shard: int, method: str, fut: Future, timeout: float | None = None):
         try:
             return fut.result(timeout=timeout)
         except grpc.RpcError as e:
@@ -369,7 +378,7 @@ class PSClient:
             by_server = retry
         return undelivered | set(by_server)
 
-    def _commit_outcome(self, part: Part, fut: grpc.Future) -> str:
+    def _commit_outcome(self, part: Part, fut: Future) -> str:
         """committed, aborted, or gone (the target died or was replaced after its stage was answered)."""
         for _try in range(5):
             try:
@@ -413,7 +422,7 @@ class PSClient:
             pending = retry
         log.warning("decisions for parity servers %s not delivered; they will ask", sorted(pending))
 
-    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> grpc.Future:
+    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> Future:
         ctx = self.ctx
         ids, rows = ids_to_bytes(g[part.pos]), floats_to_bytes(grads[part.pos])
         self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(rows))
@@ -580,30 +589,11 @@ class PSClient:
 class _AllOf:
     """A future over several futures (the no-2PC path's rows and dense pushes)."""
 
-    def __init__(self, futs: list[grpc.Future]):
+    def __init__(self, futs: list[Future]):
         self.futs = futs
-        self._left = len(futs)
-        self._lock = threading.Lock()
-        self._callbacks: list = []
 
     def result(self):
         return [f.result() for f in self.futs]
-
-    def add_done_callback(self, fn) -> None:
-        if not self.futs:
-            fn(self)
-            return
-        self._callbacks.append(fn)
-        for f in self.futs:
-            f.add_done_callback(self._one_done)
-
-    def _one_done(self, _f) -> None:
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            for fn in self._callbacks:
-                fn(self)
 
 
 def evaluate(client: PSClient, batches: Iterable, device: str = "cpu") -> dict:

@@ -1,13 +1,13 @@
 """Fault points: SIGKILL this process at a named step of the update or recovery protocol (invariant I4).
 
-Set `ECREC_FAULT_POINT="<process>:<point>[@n]"`, e.g. `server-1:commit:after_forward@20`, to kill the process
+Set `ECREC_FAULT_POINT="<process>:<point>[@n]"`, e.g. `server-1:commit:after_apply@20`, to kill the process
 named `<process>` (server-<shard>, worker-<rank>) the n-th time (default 1st) it reaches `<point>`. With
 `ECREC_FAULT_ONCE=<file>` the kill happens once per job: the first process to fire creates the file, so a
 respawned replacement does not kill itself again. Unset, a fault point costs one dict lookup.
 
-Points (docs/protocol.md): stage:after_local, stage:after_deltas, commit:after_forward, commit:after_apply,
-delta:after_stage, decide:after_apply, acting:after_stage, recover:mid_group, recover:after_group,
-worker:before_commit, worker:mid_commit.
+Points (docs/protocol.md): on a server stage:after_local, commit:after_apply, delta:after_stage,
+decide:after_apply, acting:after_stage, recover:mid_group, recover:after_group; on a worker
+worker:after_stage, worker:before_commit, worker:mid_commit, worker:before_decide.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import signal
 
 POINTS = (
     "stage:after_local",
-    "stage:after_deltas",
-    "commit:after_forward",
     "commit:after_apply",
     "delta:after_stage",
     "decide:after_apply",
     "acting:after_stage",
     "recover:mid_group",
     "recover:after_group",
+    "worker:after_stage",
     "worker:before_commit",
     "worker:mid_commit",
+    "worker:before_decide",
 )
 
 _process = ""

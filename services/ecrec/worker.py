@@ -82,7 +82,7 @@ class Trainer:
 
     def push(self, uniq: torch.Tensor, row_grads: torch.Tensor, dense_grad: torch.Tensor, txn: str):
         """Send the update. Returns something with .wait(): the foundation's Pending RPCs, or, with ECRec, a
-        future of the whole per-part 2PC (run on a background thread: it retries through failures)."""
+        future of the whole two-phase commit (run on a background thread: it retries through failures)."""
         row_grads, dense_grad = row_grads.cpu(), dense_grad.cpu()
         if self.ctx.ecrec:
             return _FutureWait(

@@ -1,13 +1,13 @@
 """Two-phase commit participants of the update path, as state without I/O (docs/protocol.md).
 
-A *part* is the rows of one worker step on one data server. The data server stages the new records and sends
-the deltas to each row's parity server (`DeltaBatch`es the adapter delivers); on commit it forwards the commit
-to the parity servers, then applies the records and advances the rows' versions. Rows are staged by at most
-one transaction at a time (`RowLocks`), so deltas never chain on uncommitted values (invariant I3).
+A *part* is the rows of one worker step on one data server. The data server stages the new records and
+computes the deltas for each row's parity server (`DeltaBatch`es, which the worker delivers); on commit it
+applies the records and advances the rows' versions, and the worker then tells the parity servers. Rows are
+staged by at most one transaction at a time (`RowLocks`), so deltas never chain on uncommitted values (I3).
 
-`ParityParticipant` keeps staged deltas per (txn, source shard) and applies them on commit, remembering the
-version of each stripe member it reflects (`pver`), so readers can check that member records and a parity
-record form a consistent cut.
+`ParityParticipant` keeps staged deltas per (txn, source shard) and applies them on commit, in version order
+per member, remembering the version of each stripe member it reflects (`pver`), so readers can check that
+member records and a parity record form a consistent cut.
 
 Everything here is plain torch on tensors handed in by the caller; the caller holds the server's lock.
 """

@@ -1,8 +1,8 @@
-"""A worker step's update under the per-part two-phase commit: which parts remain, and where they go.
+"""A worker step's update under the worker-coordinated two-phase commit: which parts remain, and where they go.
 
-Pure bookkeeping with no I/O (docs/protocol.md, "Worker"). The driver — PSClient.apply_update over gRPC, or
-the in-memory worker of tests/netsim.py — asks for a plan under its current view of the cluster map, sends
-each part's stage and commit, and reports each outcome back. The step is finished when every row's update
+Pure bookkeeping with no I/O (docs/protocol.md, "Update path"). The driver — PSClient.apply_update over gRPC,
+or the in-memory worker of tests/netsim.py — asks for a plan under its current view of the cluster map, runs
+the pass (stage, deltas, commit, decisions), and reports each part's outcome back. The step is finished when every row's update
 is applied exactly once and every live replica of every dense chunk holds the step.
 
 Parts are planned afresh on every pass, so a part whose server died is re-routed: rows of a failed shard go
@@ -25,7 +25,7 @@ from ecrec.core.placement import Placement
 
 @dataclass
 class Part:
-    """One stage of the per-part 2PC: rows of one data shard (or of a failed shard at its acting home)."""
+    """One part of a step's 2PC: rows of one data shard (or of a failed shard at its acting home)."""
 
     target: int
     src: int  # -1: the target's own rows; else the failed shard whose rows the target serves
