@@ -697,6 +697,36 @@ def test_replacement_that_copied_a_dense_chunk_mid_step_still_receives_the_step(
     assert_fully_recovered(net, twin)
 
 
+@pytest.mark.parametrize("order", ["piggybacked", "reversed"])
+def test_decisions_for_one_row_may_ride_late_or_arrive_out_of_order(ctx, order):
+    """The worker's decision about part a may ride on the delta message of a later part b that updates the
+    same rows (applied first), or even reach the parity server after b's decision (held until a's)."""
+    net, twin = Net(ctx), Net(ctx)
+    g = rows_of(ctx, S, 40)
+    gen = torch.Generator().manual_seed(21)
+    grads_a, grads_b = torch.randn(40, ctx.dim, generator=gen), torch.randn(40, ctx.dim, generator=gen)
+    for n in (net, twin):  # the twin decides each part at once
+        if n is twin:
+            commit_part(n, S, "a/1", stage_part(n, S, "a/1", g, grads_a))
+            commit_part(n, S, "b/1", stage_part(n, S, "b/1", g, grads_b))
+            continue
+        a = stage_part(n, S, "a/1", g, grads_a)
+        assert n.call(WORKER, S, "commit", "a/1") == "committed"  # a's decision not delivered yet
+        b = n.call(WORKER, S, "stage", "b/1", g, grads_b)  # built on a's committed records
+        for batch in b.batches:
+            q = batch.parity_server
+            late = [("a/1", S, True)] if order == "piggybacked" else []
+            n.call(WORKER, q, "stage_deltas", [wire_copy(batch, q)], False, late)
+        assert n.call(WORKER, S, "commit", "b/1") == "committed"
+        decide_part(n, "b/1", S, b, commit=True)
+        if order == "reversed":
+            assert parity_check(n)["in_flight"] > 0 and parity_check(n)["mismatches"] == 0
+            assert any(n[q].parity.held for q in range(N))
+            decide_part(n, "a/1", S, a, commit=True)
+        assert not any(n[q].parity.held for q in range(N))
+    assert_fully_recovered(net, twin)
+
+
 # -- txnTimeout ----------------------------------------------------------------------------------------------
 def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
     net = Net(ctx, txn_timeout=5.0)

@@ -81,6 +81,11 @@ class PSClient:
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         # Enough threads for the training thread's pulls and the update thread's fan-out at once.
         self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
+        # Commit decisions not yet delivered to their parity servers: they ride on the next StageDeltas to
+        # the same server (see apply_update), tagged with the map epoch and pass they were made in.
+        self._decisions: dict[int, list[tuple[pb.DeltaDecision, int]]] = {}
+        self._decisions_epoch = 0
+        self._passes = 0
         self.update_cluster(cluster)
 
     @classmethod
@@ -131,7 +136,11 @@ class PSClient:
             self.report_failure(shard)
         elif code == grpc.StatusCode.FAILED_PRECONDITION:
             self.refresh()
-        time.sleep(0.01 if code == grpc.StatusCode.FAILED_PRECONDITION else 0.05)
+        # Busy rows free up within a commit round trip; a new map is already fetched; a failure takes the
+        # coordinator's probe: back off accordingly.
+        time.sleep(
+            {grpc.StatusCode.ABORTED: 0.002, grpc.StatusCode.FAILED_PRECONDITION: 0.01}.get(code, 0.05)
+        )
 
     def failed(self, shard: int) -> bool:
         return self.states.get(shard) == "failed"
@@ -143,6 +152,7 @@ class PSClient:
             return MapView(self.epoch, failed, dict(self.incarnations))
 
     def close(self) -> None:
+        self.flush_decisions()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self.channels.values():
             ch.close()
@@ -267,17 +277,24 @@ class PSClient:
 
         Each pass: (1) stage every remaining part at its data server (or acting home); (2) deliver the
         deltas of the staged parts to their parity servers, one message per parity server for all parts;
-        (3) commit every part whose deltas all arrived; (4) tell each parity server the decisions, again one
-        message per server. Messages per step therefore do not grow with k."""
+        (3) commit every part whose deltas all arrived; (4) queue the decisions for the parity servers. They
+        ride on the next pass's deltas to the same server (the server applies them first), so a step costs
+        three messages per server whatever k is. Decisions are sent on their own (DecideMany) when a pass
+        did not carry them, when the map changes (a rebuild or a degraded write may be waiting for them),
+        for parts committed on behalf of a dead server, and by flush_decisions at the end."""
         ctx = self.ctx
         two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
         update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
         for _attempt in range(MAX_ATTEMPTS):
-            parts = update.plan(self.view())
+            view = self.view()
+            if view.epoch != self._decisions_epoch:
+                self.flush_decisions()
+            parts = update.plan(view)
             if not parts:
                 return
+            self._passes += 1
             errors: dict[int, grpc.RpcError] = {}
             # (1) stage
             futs = [(part, self._send_stage(part, g, grads, dense_grad, two_pc)) for part in parts]
@@ -308,7 +325,7 @@ class PSClient:
                 req = pb.TxnRequest(epoch=self.epoch, txn=part.txn)
                 cfuts.append((part, deltas, self._call(part.target, "Commit", req)))
                 fault_point("worker:mid_commit")
-            decisions: dict[int, list[pb.DeltaDecision]] = {}
+            urgent = False
             for part, deltas, fut in cfuts:
                 outcome = self._commit_outcome(part, fut)
                 if outcome == "committed":
@@ -318,15 +335,16 @@ class PSClient:
                     # are staged at the parity servers. Committing them applies the update exactly once —
                     # the rows are decoded from parity from now on.
                     update.committed_by_dead_target(part)
+                    urgent = True
                 else:
                     continue  # aborted (its txnTimeout expired): it told the parity servers; retry the part
-                for d in deltas:
-                    decisions.setdefault(d.parity_server, []).append(
-                        pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
-                    )
+                self._queue_decisions(part, deltas)
             # (4) decisions
             fault_point("worker:before_decide")
-            self._send_decisions(decisions)
+            if urgent or errors:
+                self.flush_decisions()
+            else:
+                self._flush_stale_decisions()
             for server, e in errors.items():
                 self._recover_from(server, e)
         raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
@@ -357,12 +375,16 @@ class PSClient:
                     continue  # its parity is re-encoded from the data rows when it is rebuilt
                 for d in batches:
                     self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(d.delta))
-                req = pb.StageDeltasRequest(epoch=self.epoch, batches=batches)
-                calls.append((server, self._call(server, "StageDeltas", req)))
+                queued = self._decisions.get(server, [])
+                req = pb.StageDeltasRequest(
+                    epoch=self.epoch, batches=batches, decisions=[d for d, _ in queued]
+                )
+                calls.append((server, len(queued), self._call(server, "StageDeltas", req)))
             undelivered, retry = set(), {}
-            for server, fut in calls:
+            for server, n_decided, fut in calls:
                 try:
                     fut.result()
+                    del self._decisions.get(server, [])[:n_decided]  # delivered with the deltas
                 except grpc.RpcError as e:
                     if e.code() not in RETRYABLE:
                         raise ServerUnavailable(server, e) from e
@@ -396,31 +418,47 @@ class PSClient:
             return outcome
         return "gone" if self.failed(part.target) else "aborted"
 
-    def _send_decisions(self, decisions: dict[int, list]) -> None:
-        """DecideMany to every parity server at once. One that cannot be told now asks the data server for
-        the outcome when its staged deltas time out (ShardStore.expire), so this is best effort."""
-        pending = dict(decisions)
+    def _queue_decisions(self, part: Part, deltas: list) -> None:
+        if not self._decisions:
+            self._decisions_epoch = self.epoch
+        for d in deltas:
+            decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
+            self._decisions.setdefault(d.parity_server, []).append((decision, self._passes))
+
+    def _flush_stale_decisions(self) -> None:
+        """Send decisions an earlier pass queued and no delta message has carried since."""
+        if any(q and q[0][1] < self._passes for q in self._decisions.values()):
+            self.flush_decisions()
+
+    def flush_decisions(self) -> None:
+        """DecideMany to every parity server with queued decisions. One that cannot be told now asks the data
+        server for the outcome when its staged deltas time out (ShardStore.expire): this is best effort."""
         for _try in range(3):
+            pending = {s: q for s, q in self._decisions.items() if q and not self.failed(s)}
+            self._decisions = {}
+            if not pending:
+                return
             calls = [
                 (
                     server,
-                    self._call(server, "DecideMany", pb.DecisionsRequest(epoch=self.epoch, decisions=ds)),
+                    q,
+                    self._call(
+                        server,
+                        "DecideMany",
+                        pb.DecisionsRequest(epoch=self.epoch, decisions=[d for d, _ in q]),
+                    ),
                 )
-                for server, ds in pending.items()
-                if not self.failed(server)
+                for server, q in pending.items()
             ]
-            retry = {}
-            for server, fut in calls:
+            for server, q, fut in calls:
                 try:
                     fut.result()
                 except grpc.RpcError as e:
                     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         self.report_failure(server)
-                    retry[server] = pending[server]
-            if not retry:
-                return
-            pending = retry
-        log.warning("decisions for parity servers %s not delivered; they will ask", sorted(pending))
+                    self._decisions.setdefault(server, []).extend(q)
+        log.warning("decisions for parity servers %s not delivered; they will ask", sorted(self._decisions))
+        self._decisions = {}
 
     def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> Future:
         ctx = self.ctx

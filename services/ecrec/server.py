@@ -129,16 +129,12 @@ class GrpcPeers:
         for b in batches:
             req = delta_message(b, epoch=epoch, immediate=immediate)
             self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(req.delta))
-            calls.append(
-                (b.parity_server, self._call(b.parity_server, "Delta", req))
-            )
+            calls.append((b.parity_server, self._call(b.parity_server, "Delta", req)))
         return self._gather(calls)
 
     def decide(self, servers: list[int], txn: str, src: int, commit: bool, epoch: int) -> dict:
         req = pb.DeltaDecision(epoch=epoch, txn=txn, src=src, commit=commit)
-        return self._gather(
-            [(s, self._call(s, "DecideDeltas", req)) for s in servers]
-        )
+        return self._gather([(s, self._call(s, "DecideDeltas", req)) for s in servers])
 
     def read_rows(self, requests, epoch: int) -> list[ReadResult]:
         calls = []
@@ -367,7 +363,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     @rpc("StageDeltas")
     def StageDeltas(self, request, context):
         batches = [self._batch(b) for b in request.batches]  # all validated before any is staged
-        self.store.stage_deltas(batches)
+        self.store.stage_deltas(batches, decisions=self._decisions(request.decisions))
         m = self.metrics
         m.of(m.rows, kind="delta").inc(sum(b.index.numel() for b in batches))
         return pb.TxnResponse(outcome="staged")
@@ -376,13 +372,15 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     def DecideDeltas(self, request, context):
         return pb.TxnResponse(outcome=self.store.decide_deltas(request.txn, request.src, request.commit))
 
-    @rpc("DecideMany", check_epoch=False)
-    def DecideMany(self, request, context):
-        for d in request.decisions:
+    def _decisions(self, decisions) -> list[tuple[str, int, bool]]:
+        for d in decisions:
             if not 0 <= d.src < self.store.ctx.num_servers:
                 raise InvalidRequest(f"src: no shard {d.src}")
-        outcomes = self.store.decide_many([(d.txn, d.src, d.commit) for d in request.decisions])
-        return pb.DecisionsResponse(outcomes=outcomes)
+        return [(d.txn, d.src, d.commit) for d in decisions]
+
+    @rpc("DecideMany", check_epoch=False)
+    def DecideMany(self, request, context):
+        return pb.DecisionsResponse(outcomes=self.store.decide_many(self._decisions(request.decisions)))
 
     @rpc("Outcome", check_epoch=False)
     def Outcome(self, request, context):

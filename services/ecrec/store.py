@@ -773,7 +773,15 @@ class ShardStore:
         """Deltas of another server's rows (from the worker, or from the data server without 2PC)."""
         self.stage_deltas([batch], immediate)
 
-    def stage_deltas(self, batches: list[DeltaBatch], immediate: bool = False) -> None:
+    def stage_deltas(
+        self,
+        batches: list[DeltaBatch],
+        immediate: bool = False,
+        decisions: list[tuple[str, int, bool]] = (),
+    ) -> None:
+        """Stage deltas of other servers' rows. Decisions about earlier parts that ride along (the worker's
+        piggybacked commits) are applied first, so a row's next delta never overtakes its previous one."""
+        self.decide_many(list(decisions))
         for b in batches:
             if b.parity_server != self.shard or b.src == self.shard:
                 raise InvalidRequest(

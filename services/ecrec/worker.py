@@ -185,6 +185,7 @@ def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -
             metrics.of(metrics.samples).inc(B)
         if in_flight is not None:
             in_flight.wait()
+        client.flush_decisions()  # the last step's decisions had no next step to ride on
     except ServerUnavailable as e:
         log.error("%s", e)
         reporter.finish(error=str(e))
