@@ -699,8 +699,9 @@ def test_replacement_that_copied_a_dense_chunk_mid_step_still_receives_the_step(
 
 @pytest.mark.parametrize("order", ["piggybacked", "reversed"])
 def test_decisions_for_one_row_may_ride_late_or_arrive_out_of_order(ctx, order):
-    """The worker's decision about part a may ride on the delta message of a later part b that updates the
-    same rows (applied first), or even reach the parity server after b's decision (held until a's)."""
+    """The worker's decision about part a rides on its next stage at the parity server (applied before the
+    stage), ahead of the deltas of a later part b that updates the same rows; or it reaches the parity
+    server only after b's decision (b is held until a's arrives)."""
     net, twin = Net(ctx), Net(ctx)
     g = rows_of(ctx, S, 40)
     gen = torch.Generator().manual_seed(21)
@@ -715,8 +716,15 @@ def test_decisions_for_one_row_may_ride_late_or_arrive_out_of_order(ctx, order):
         b = n.call(WORKER, S, "stage", "b/1", g, grads_b)  # built on a's committed records
         for batch in b.batches:
             q = batch.parity_server
-            late = [("a/1", S, True)] if order == "piggybacked" else []
-            n.call(WORKER, q, "stage_deltas", [wire_copy(batch, q)], False, late)
+            if (
+                order == "piggybacked"
+            ):  # the worker's next stage at q (here an empty part) carries a's decision
+                carrier = f"carrier/{q}"
+                nothing = torch.empty(0, dtype=torch.int64), torch.empty(0, ctx.dim)
+                n.call(WORKER, q, "stage", carrier, *nothing, -1, {}, 0, [("a/1", S, True)])
+                assert n[q].parity.resolved[("a/1", S)] == "committed"
+                n.call(WORKER, q, "commit", carrier)
+            n.call(WORKER, q, "stage_deltas", [wire_copy(batch, q)])
         assert n.call(WORKER, S, "commit", "b/1") == "committed"
         decide_part(n, "b/1", S, b, commit=True)
         if order == "reversed":

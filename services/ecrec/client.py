@@ -81,11 +81,10 @@ class PSClient:
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         # Enough threads for the training thread's pulls and the update thread's fan-out at once.
         self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
-        # Commit decisions not yet delivered to their parity servers: they ride on the next StageDeltas to
-        # the same server (see apply_update), tagged with the map epoch and pass they were made in.
-        self._decisions: dict[int, list[tuple[pb.DeltaDecision, int]]] = {}
-        self._decisions_epoch = 0
-        self._passes = 0
+        # Commit decisions not yet delivered to their parity servers, by server: they ride on the next stage
+        # at the same server (see apply_update).
+        self._decisions: dict[int, list[pb.DeltaDecision]] = {}
+        self._decisions_lock = threading.Lock()  # the update thread queues; any thread may flush
         self.update_cluster(cluster)
 
     @classmethod
@@ -97,7 +96,13 @@ class PSClient:
     # -- the cluster map -------------------------------------------------------------------------------
     def update_cluster(self, cluster: dict) -> None:
         with self._map_lock:
+            before = self.epoch
             self._adopt(cluster)
+            changed = self.epoch != before and any(st != "up" for st in self.states.values())
+        if changed:
+            # A failure or a recovery: degraded reads and rebuilds need consistent stripes, so the commit
+            # decisions this client holds back (see apply_update) must not wait for its next update.
+            self.flush_decisions()
 
     def _adopt(self, cluster: dict) -> None:
         if int(cluster["epoch"]) < self.epoch:
@@ -278,37 +283,46 @@ class PSClient:
         Each pass: (1) stage every remaining part at its data server (or acting home); (2) deliver the
         deltas of the staged parts to their parity servers, one message per parity server for all parts;
         (3) commit every part whose deltas all arrived; (4) queue the decisions for the parity servers. They
-        ride on the next pass's deltas to the same server (the server applies them first), so a step costs
-        three messages per server whatever k is. Decisions are sent on their own (DecideMany) when a pass
-        did not carry them, when the map changes (a rebuild or a degraded write may be waiting for them),
-        for parts committed on behalf of a dead server, and by flush_decisions at the end."""
+        ride on the next pass's stage to the same server, which applies them before anything else, so they
+        arrive before any later delta of the same rows and before anything that could wait for them; a
+        server the next pass does not stage at gets them on their own (DecideMany), at the same time. A step
+        thus costs three messages per server whatever k is. Commits on behalf of a dead server are sent at
+        once, and flush_decisions sends what is left when the worker stops. While a shard is failed or
+        recovering nothing is held back: degraded reads and rebuilds need consistent stripes, and this
+        worker's next pull, which comes before its next update, may need exactly those."""
         ctx = self.ctx
         two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
         update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
         for _attempt in range(MAX_ATTEMPTS):
-            view = self.view()
-            if view.epoch != self._decisions_epoch:
-                self.flush_decisions()
-            parts = update.plan(view)
+            parts = update.plan(self.view())
             if not parts:
                 return
-            self._passes += 1
             errors: dict[int, grpc.RpcError] = {}
-            # (1) stage
-            futs = [(part, self._send_stage(part, g, grads, dense_grad, two_pc)) for part in parts]
+            # (1) stage, carrying the decisions queued for each server; the others get theirs on their own
+            carried: dict[int, list] = {}
+            futs = []
+            for part in parts:
+                decisions = [] if part.target in carried else self._take_decisions(part.target)
+                carried.setdefault(part.target, decisions)
+                futs.append(
+                    (part, decisions, self._send_stage(part, g, grads, dense_grad, two_pc, decisions))
+                )
+            alone = self._send_decisions_alone()
             staged: list[tuple[Part, list]] = []
-            for part, fut in futs:
+            for part, decisions, fut in futs:
                 try:
                     resp = fut.result()
                 except grpc.RpcError as e:
+                    self._requeue(part.target, decisions, e)
                     self._stage_failed(part, e, errors)
                     continue
                 if not two_pc and part.src < 0:
                     update.committed(part)  # applied at once; its deltas went straight to the parity servers
                 else:
                     staged.append((part, list(resp.deltas)))
+            self._await_decisions_alone(alone)
             fault_point("worker:after_stage")
             # (2) deltas
             undelivered = self._deliver_deltas(staged, errors)
@@ -339,12 +353,10 @@ class PSClient:
                 else:
                     continue  # aborted (its txnTimeout expired): it told the parity servers; retry the part
                 self._queue_decisions(part, deltas)
-            # (4) decisions
+            # (4) decisions: queued for the next pass, or sent now for a dead server's parts
             fault_point("worker:before_decide")
-            if urgent or errors:
+            if urgent or any(st != "up" for st in self.states.values()):
                 self.flush_decisions()
-            else:
-                self._flush_stale_decisions()
             for server, e in errors.items():
                 self._recover_from(server, e)
         raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
@@ -375,16 +387,12 @@ class PSClient:
                     continue  # its parity is re-encoded from the data rows when it is rebuilt
                 for d in batches:
                     self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(d.delta))
-                queued = self._decisions.get(server, [])
-                req = pb.StageDeltasRequest(
-                    epoch=self.epoch, batches=batches, decisions=[d for d, _ in queued]
-                )
-                calls.append((server, len(queued), self._call(server, "StageDeltas", req)))
+                req = pb.StageDeltasRequest(epoch=self.epoch, batches=batches)
+                calls.append((server, self._call(server, "StageDeltas", req)))
             undelivered, retry = set(), {}
-            for server, n_decided, fut in calls:
+            for server, fut in calls:
                 try:
                     fut.result()
-                    del self._decisions.get(server, [])[:n_decided]  # delivered with the deltas
                 except grpc.RpcError as e:
                     if e.code() not in RETRYABLE:
                         raise ServerUnavailable(server, e) from e
@@ -419,54 +427,61 @@ class PSClient:
         return "gone" if self.failed(part.target) else "aborted"
 
     def _queue_decisions(self, part: Part, deltas: list) -> None:
-        if not self._decisions:
-            self._decisions_epoch = self.epoch
-        for d in deltas:
-            decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
-            self._decisions.setdefault(d.parity_server, []).append((decision, self._passes))
+        with self._decisions_lock:
+            for d in deltas:
+                decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
+                self._decisions.setdefault(d.parity_server, []).append(decision)
 
-    def _flush_stale_decisions(self) -> None:
-        """Send decisions an earlier pass queued and no delta message has carried since."""
-        if any(q and q[0][1] < self._passes for q in self._decisions.values()):
-            self.flush_decisions()
+    def _take_decisions(self, server: int) -> list:
+        with self._decisions_lock:
+            return self._decisions.pop(server, [])
+
+    def _requeue(self, server: int, decisions: list, e: grpc.RpcError | None = None) -> None:
+        """Decisions whose message failed: send them again later (deciding twice is harmless), unless the
+        server is gone or refused them for good."""
+        if decisions and not self.failed(server) and (e is None or e.code() in RETRYABLE):
+            with self._decisions_lock:
+                self._decisions.setdefault(server, [])[:0] = decisions
+
+    def _send_decisions_alone(self) -> list:
+        """DecideMany to every live server with queued decisions that no stage of this pass carries."""
+        with self._decisions_lock:
+            queued, self._decisions = self._decisions, {}
+        out = []
+        for server, decisions in queued.items():
+            if decisions and not self.failed(server):
+                req = pb.DecisionsRequest(epoch=self.epoch, decisions=decisions)
+                out.append((server, decisions, self._call(server, "DecideMany", req)))
+        return out
+
+    def _await_decisions_alone(self, calls: list) -> None:
+        for server, decisions, fut in calls:
+            try:
+                fut.result()
+            except grpc.RpcError as e:
+                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.report_failure(server)
+                self._requeue(server, decisions, e)
 
     def flush_decisions(self) -> None:
-        """DecideMany to every parity server with queued decisions. One that cannot be told now asks the data
-        server for the outcome when its staged deltas time out (ShardStore.expire): this is best effort."""
+        """Send every queued decision now. A parity server that cannot be told asks the data server for the
+        outcome when its staged deltas time out (ShardStore.expire), so this is best effort."""
         for _try in range(3):
-            pending = {s: q for s, q in self._decisions.items() if q and not self.failed(s)}
-            self._decisions = {}
-            if not pending:
+            self._await_decisions_alone(self._send_decisions_alone())
+            if not self._decisions:
                 return
-            calls = [
-                (
-                    server,
-                    q,
-                    self._call(
-                        server,
-                        "DecideMany",
-                        pb.DecisionsRequest(epoch=self.epoch, decisions=[d for d, _ in q]),
-                    ),
-                )
-                for server, q in pending.items()
-            ]
-            for server, q, fut in calls:
-                try:
-                    fut.result()
-                except grpc.RpcError as e:
-                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        self.report_failure(server)
-                    self._decisions.setdefault(server, []).extend(q)
-        log.warning("decisions for parity servers %s not delivered; they will ask", sorted(self._decisions))
-        self._decisions = {}
+        with self._decisions_lock:
+            left, self._decisions = sorted(self._decisions), {}
+        log.warning("decisions for parity servers %s not delivered; they will ask", left)
 
-    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool) -> Future:
+    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool, decisions: list = ()) -> Future:
         ctx = self.ctx
         ids, rows = ids_to_bytes(g[part.pos]), floats_to_bytes(grads[part.pos])
         self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(rows))
         dense = [floats_to_bytes(dense_grad[slice(*ctx.dense_bounds[c])]) for c in part.dense]
         if not two_pc and part.src < 0:
             # Without 2PC: apply at once. Rows and dense chunks go as separate calls; gather them.
+            self._requeue(part.target, list(decisions))  # (none are made without 2PC; keep, do not drop)
             futs = []
             if part.pos.numel():
                 futs.append(
@@ -493,6 +508,7 @@ class PSClient:
             src=part.src,
             dense_chunks=part.dense,
             dense_grads=dense,
+            decisions=decisions,
         )
         return self._call(part.target, "Stage", req)
 

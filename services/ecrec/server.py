@@ -323,7 +323,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
-        staged = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch)
+        decisions = self._decisions(request.decisions)
+        staged = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch, decisions)
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
         return pb.StageResponse(staged=staged.rows, deltas=[delta_message(b) for b in staged.batches])
 
@@ -363,7 +364,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     @rpc("StageDeltas")
     def StageDeltas(self, request, context):
         batches = [self._batch(b) for b in request.batches]  # all validated before any is staged
-        self.store.stage_deltas(batches, decisions=self._decisions(request.decisions))
+        self.store.stage_deltas(batches)
         m = self.metrics
         m.of(m.rows, kind="delta").inc(sum(b.index.numel() for b in batches))
         return pb.TxnResponse(outcome="staged")

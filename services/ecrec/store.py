@@ -605,9 +605,14 @@ class ShardStore:
         src: int = -1,
         dense: dict[int, torch.Tensor] | None = None,
         epoch: int = 0,
+        decisions: list[tuple[str, int, bool]] = (),
     ) -> Staged:
         """Phase 1 of a part (docs/protocol.md): stage the new records; the answer carries the deltas for the
-        worker to deliver to the parity servers (nothing is sent from here)."""
+        worker to deliver to the parity servers (nothing is sent from here). The worker's decisions about
+        earlier parts, for which this server is a parity server, ride along: they are applied first, before
+        this stage can wait for anything that might be waiting for them."""
+        if decisions:
+            self.decide_many(list(decisions))
         src = self.shard if src < 0 else src
         local = self.local_rows(g, src)
         self._check_grads(grads, local.numel())
@@ -773,15 +778,8 @@ class ShardStore:
         """Deltas of another server's rows (from the worker, or from the data server without 2PC)."""
         self.stage_deltas([batch], immediate)
 
-    def stage_deltas(
-        self,
-        batches: list[DeltaBatch],
-        immediate: bool = False,
-        decisions: list[tuple[str, int, bool]] = (),
-    ) -> None:
-        """Stage deltas of other servers' rows. Decisions about earlier parts that ride along (the worker's
-        piggybacked commits) are applied first, so a row's next delta never overtakes its previous one."""
-        self.decide_many(list(decisions))
+    def stage_deltas(self, batches: list[DeltaBatch], immediate: bool = False) -> None:
+        """Stage (or, without 2PC, apply) deltas of other servers' rows."""
         for b in batches:
             if b.parity_server != self.shard or b.src == self.shard:
                 raise InvalidRequest(
