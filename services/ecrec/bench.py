@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def bench_server(rows: int, dim: int, optimizer: str, batches: list[int], second
 def steady_rate(report: dict, start: float = 2.0, end: float | None = None) -> float:
     """Median samples/s of the throughput series within [start, end) seconds (skips the warm-up ramp)."""
     vals = [r for t, r in report["throughput_series"] if t >= start and (end is None or t < end)]
-    return statistics.median(vals) if vals else 0.0
+    return statistics.median(vals) if vals else float("nan")  # a window shorter than one sample
 
 
 TRAINING_RPCS = (
@@ -236,6 +237,10 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list
     return rows
 
 
+def _ratio(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x:.2f}"
+
+
 def load_job_with(path: str, overrides: list[str]):
     from ecrec.spec import load_job
 
@@ -297,6 +302,6 @@ def bench_recovery(
         print(
             f"| {r['rows']:,} | {r['group']:,} | {r['continue_s']:.2f} s | {r['full_s']:.1f} s | "
             f"{r['rebuild_s']:.2f} s | {r['rows_recovered']:,} | {r['during_ratio']:.2f} | "
-            f"{r['rebuild_ratio']:.2f} | {r['parity_mismatches']} |"
+            f"{_ratio(r['rebuild_ratio'])} | {r['parity_mismatches']} |"
         )
     return rows
