@@ -10,8 +10,10 @@ lose a message or its answer at an exact point of the protocol.
 `Worker` drives the same update bookkeeping and the same four phases as PSClient.apply_update
 (ecrec.core.update.StepUpdate; docs/protocol.md): stage every part, deliver the deltas to the parity servers,
 commit, tell the parity servers. Rows of a failed shard go to their acting home with `src = shard`; a data
-server that is gone after its stage was answered has its deltas committed on its behalf. `stage_part` and
-`commit_part` run those phases for one part by hand.
+server that is gone after its stage was answered has its deltas committed on its behalf. One difference:
+it sends each pass's decisions at once (DecideMany) where PSClient lets them ride on its next stage in
+normal operation; the store's side of that is tested on its own, and the client's by the real-process runs.
+`stage_part` and `commit_part` run those phases for one part by hand.
 
 `logical_model` and `parity_check` are the test oracles: the whole model in placement-independent order, and
 invariant I1 (every parity record == encode(members), bit-exact for xor), as PSClient.parity_check.
