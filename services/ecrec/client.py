@@ -34,12 +34,8 @@ from ecrec.wire import floats_to_bytes, ids_to_bytes
 log = logging.getLogger("ecrec.client")
 READ_PAGE_ROWS = 1 << 18
 MAX_ATTEMPTS = 200
-RETRYABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-)
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # dead? ask the coordinator
+RETRYABLE = (*UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
 
 
 class ServerUnavailable(RuntimeError):
@@ -98,7 +94,7 @@ class PSClient:
         with self._map_lock:
             before = self.epoch
             self._adopt(cluster)
-            changed = self.epoch != before and any(st != "up" for st in self.states.values())
+            changed = self.epoch != before and self.degraded()
         if changed:
             # A failure or a recovery: degraded reads and rebuilds need consistent stripes, so the commit
             # decisions this client holds back (see apply_update) must not wait for its next update.
@@ -137,7 +133,7 @@ class PSClient:
         """React to a retryable error from `shard` before trying again."""
         code = err.code()
         self.metrics.of(self.metrics.rpc_errors, method="retry", code=code.name).inc()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if code in UNREACHABLE:
             self.report_failure(shard)
         elif code == grpc.StatusCode.FAILED_PRECONDITION:
             self.refresh()
@@ -149,6 +145,10 @@ class PSClient:
 
     def failed(self, shard: int) -> bool:
         return self.states.get(shard) == "failed"
+
+    def degraded(self) -> bool:
+        """Is any shard failed or recovering in this client's map?"""
+        return any(st != "up" for st in self.states.values())
 
     def view(self) -> MapView:
         """A consistent snapshot of the map for planning an update pass."""
@@ -355,7 +355,7 @@ class PSClient:
                 self._queue_decisions(part, deltas)
             # (4) decisions: queued for the next pass, or sent now for a dead server's parts
             fault_point("worker:before_decide")
-            if urgent or any(st != "up" for st in self.states.values()):
+            if urgent or self.degraded():
                 self.flush_decisions()
             for server, e in errors.items():
                 self._recover_from(server, e)
@@ -364,7 +364,7 @@ class PSClient:
     def _stage_failed(self, part: Part, e: grpc.RpcError, errors: dict) -> None:
         if e.code() not in RETRYABLE:
             raise ServerUnavailable(part.target, e) from e
-        if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if e.code() not in UNREACHABLE:
             errors[part.target] = e  # stale map or busy rows: retry the part on the next pass
             return
         # Unreachable: is it dead? The coordinator probes before it says so. Nothing of the part left the
@@ -396,7 +396,7 @@ class PSClient:
                 except grpc.RpcError as e:
                     if e.code() not in RETRYABLE:
                         raise ServerUnavailable(server, e) from e
-                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if e.code() in UNREACHABLE:
                         self.report_failure(server)
                         if not self.failed(server):
                             retry[server] = by_server[server]  # alive: a re-delivery replaces, not adds
@@ -414,7 +414,7 @@ class PSClient:
             try:
                 outcome = fut.result().outcome
             except grpc.RpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if e.code() not in UNREACHABLE:
                     raise ServerUnavailable(part.target, e) from e
                 self.report_failure(part.target)
                 if self.failed(part.target):
@@ -459,7 +459,7 @@ class PSClient:
             try:
                 fut.result()
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if e.code() in UNREACHABLE:
                     self.report_failure(server)
                 self._requeue(server, decisions, e)
 
