@@ -429,9 +429,7 @@ def commit_part(net: Net, server: int, txn: str, staged: Staged | None = None) -
     """Phases 3 and 4 of one part by hand: commit at `server`, then tell its parity servers."""
     out = net.call(WORKER, server, "commit", txn)
     if out == "committed" and staged is not None:
-        for b in staged.batches:
-            if not net.is_failed(b.parity_server):
-                net.call(WORKER, b.parity_server, "decide_many", [(txn, server, True)])
+        decide_part(net, txn, server, staged, commit=True)
     return out
 
 
