@@ -5,6 +5,10 @@ of its `spec` (camelCase in YAML, snake_case in Python), model presets, cross-fi
 manifest or bare spec into a `Job`, and generating the CustomResourceDefinition from the same models so that
 `ecrec local` and the Kubernetes operator can never disagree about what a job means.
 
+The spec also holds the fields only Kubernetes uses (`KUBERNETES_ONLY_FIELDS`: each role's pod settings and
+`runPolicy`); `ecrec local` accepts and ignores them. The `status` the operator writes is modelled here too
+(`JobStatus`), so the CRD's status schema, its printer columns and the operator share one definition.
+
 Every validation failure is a `SpecError` whose message lists each problem on its own line as
 `spec.<camelCase path>: <reason>`.
 """
@@ -13,13 +17,17 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -38,6 +46,10 @@ VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "ECRecJob"
 PLURAL = "ecrecjobs"
+SINGULAR = "ecrecjob"
+SHORT_NAMES = ("ecj",)
+CATEGORIES = ("ecrec",)
+CRD_NAME = f"{PLURAL}.{GROUP}"
 DEFAULT_JOB_NAME = "ecrec-job"
 
 # The 26 Criteo Kaggle (Display Advertising Challenge) cardinalities, in column order C1..C26.
@@ -77,6 +89,33 @@ Optimizer = Literal["sgd", "momentum", "adagrad", "rowwise_adagrad", "adam"]
 PosInt = Annotated[int, Field(ge=1)]
 
 
+# The grammar of a Kubernetes resource.Quantity (k8s.io/apimachinery), as controller-gen writes it into CRDs.
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+_QUANTITY_SUFFIXES: dict[str, Decimal] = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("", 0), ("k", 3), ("M", 6))},
+    **{s: Decimal(10) ** e for s, e in (("G", 9), ("T", 12), ("P", 15), ("E", 18))},
+}
+_QUANTITY_PARTS = re.compile(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(.*)")
+
+
+def parse_quantity(value: str | int | float) -> Decimal:
+    """The value of a Kubernetes quantity: "500m" -> 0.5, "1Gi" -> 1073741824, "1e3" -> 1000.
+
+    Raises ValueError for anything the API server would refuse (e.g. "2 GB", "1gi", "").
+    """
+    text = str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+    if not isinstance(text, str) or not re.fullmatch(QUANTITY_PATTERN, text):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 2, 1.5Gi, 512Mi)")
+    number, suffix = _QUANTITY_PARTS.fullmatch(text).groups()  # type: ignore[union-attr]
+    try:
+        if suffix[:1] in ("e", "E") and len(suffix) > 1:
+            return Decimal(number) * Decimal(10) ** Decimal(suffix[1:])
+        return Decimal(number) * _QUANTITY_SUFFIXES[suffix]
+    except (InvalidOperation, KeyError, OverflowError):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 500m, 2, 1.5Gi, 512Mi)") from None
+
+
 def _quantity_to_str(v: Any) -> Any:
     # YAML users write `cpu: 2`; Kubernetes accepts int-or-string quantities, so do we.
     if isinstance(v, int | float) and not isinstance(v, bool):
@@ -84,11 +123,21 @@ def _quantity_to_str(v: Any) -> Any:
     return v
 
 
+def _check_quantity(v: str) -> str:
+    parse_quantity(v)
+    return v
+
+
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),
+    AfterValidator(_check_quantity),
     WithJsonSchema(
-        {"x-kubernetes-int-or-string": True, "description": "Kubernetes quantity, e.g. 500m, 2Gi"}
+        {
+            "x-kubernetes-int-or-string": True,
+            "pattern": QUANTITY_PATTERN,
+            "description": "Kubernetes quantity, e.g. 500m, 2, 1.5Gi, 512Mi",
+        }
     ),
 ]
 
@@ -116,10 +165,90 @@ class _Section(BaseModel):
 
 
 class ResourceRequirements(_Section):
-    """Kubernetes container resources (quantities as strings)."""
+    """Kubernetes container resources: quantities per resource name (cpu, memory, nvidia.com/gpu, ...)."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Resource requests, e.g. cpu: 2")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Resource limits, e.g. memory: 4Gi")
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="What the scheduler reserves for the container, e.g. cpu: 500m, memory: 1Gi",
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="The most the container may use, e.g. memory: 4Gi; each request must not exceed its limit",
+    )
+
+
+class Toleration(_Section):
+    """A Kubernetes toleration (core/v1 Toleration): lets the role's pods run on nodes with a matching taint."""
+
+    key: str | None = Field(
+        default=None, description="Taint key to match; unset with operator Exists matches every taint"
+    )
+    operator: Literal["Exists", "Equal"] = Field(
+        default="Equal", description="Equal: the taint's value must equal value; Exists: any value (no value)"
+    )
+    value: str | None = Field(default=None, description="Taint value to match (operator Equal)")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; unset matches every effect"
+    )
+    toleration_seconds: int | None = Field(
+        default=None,
+        description="Effect NoExecute only: how long the pod stays on a node after the taint appears; "
+        "unset = forever",
+    )
+
+
+# Each role's pod settings: Kubernetes only (`ecrec local` accepts and ignores them). One declaration each, so the
+# three roles describe them the same way.
+_K8S = "Kubernetes only (ecrec local ignores it). "
+Image = Annotated[
+    str, Field(default="ecrec:latest", min_length=1, description=_K8S + "Container image of the role's pods")
+]
+ImagePullPolicy = Annotated[
+    Literal["Always", "IfNotPresent", "Never"] | None,
+    Field(
+        default=None,
+        description=_K8S
+        + "Always | IfNotPresent | Never; unset = Kubernetes' rule (Always for a :latest tag, "
+        "else IfNotPresent). Use IfNotPresent for an image loaded into the nodes (kind load, minikube)",
+    ),
+]
+Resources = Annotated[
+    ResourceRequirements,
+    Field(
+        default_factory=ResourceRequirements,
+        description=_K8S + "CPU, memory and other resources of each of the role's pods",
+    ),
+]
+NodeSelector = Annotated[
+    dict[str, str],
+    Field(
+        default_factory=dict,
+        description=_K8S
+        + "Node labels the role's pods require, e.g. node.kubernetes.io/instance-type: m5.xlarge",
+    ),
+]
+Tolerations = Annotated[
+    list[Toleration],
+    Field(default_factory=list, description=_K8S + "Taints the role's pods tolerate"),
+]
+ServiceAccountName = Annotated[
+    str | None,
+    Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description=_K8S + "ServiceAccount the role's pods run as (e.g. one bound to a cloud identity for "
+        "reading training data); unset = the namespace's default. ECRec's own processes need no API access",
+    ),
+]
+ROLE_POD_FIELDS = (
+    "image",
+    "imagePullPolicy",
+    "resources",
+    "nodeSelector",
+    "tolerations",
+    "serviceAccountName",
+)
 
 
 class ModelSpec(_Section):
@@ -206,8 +335,12 @@ class ServersSpec(_Section):
 
     replicas: PosInt = Field(default=3, description="Number of servers N (shard ids 0..N-1)")
     threads: PosInt = Field(default=1, description="Torch threads per server process")
-    image: str = Field(default="ecrec:latest", min_length=1, description="Container image")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="Pod resources")
+    image: Image
+    image_pull_policy: ImagePullPolicy
+    resources: Resources
+    node_selector: NodeSelector
+    tolerations: Tolerations
+    service_account_name: ServiceAccountName
 
 
 class WorkersSpec(_Section):
@@ -216,8 +349,12 @@ class WorkersSpec(_Section):
     replicas: PosInt = Field(default=1, description="Number of workers")
     threads: int = Field(default=0, ge=0, description="Torch threads per worker; 0 = auto")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto uses CUDA when present")
-    image: str = Field(default="ecrec:latest", min_length=1, description="Container image")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="Pod resources")
+    image: Image
+    image_pull_policy: ImagePullPolicy
+    resources: Resources
+    node_selector: NodeSelector
+    tolerations: Tolerations
+    service_account_name: ServiceAccountName
 
 
 class CoordinatorSpec(_Section):
@@ -227,21 +364,62 @@ class CoordinatorSpec(_Section):
     failure_timeout_seconds: float = Field(
         default=3.0, gt=0, description="A server silent this long is marked failed"
     )
-    image: str = Field(default="ecrec:latest", min_length=1, description="Container image")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description="Pod resources")
+    recovery_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="The job fails if a failed server is not rebuilt this long after its failure was detected",
+    )
+    progress_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="A worker gives up, and the job fails, after this long without completing a step",
+    )
+    image: Image
+    image_pull_policy: ImagePullPolicy
+    resources: Resources
+    node_selector: NodeSelector
+    tolerations: Tolerations
+    service_account_name: ServiceAccountName
 
 
 class EcrecSpec(_Section):
     """Erasure-coded parameter servers (the paper's method)."""
 
-    k: PosInt = Field(default=4, description="Data row records per stripe")
-    r: PosInt = Field(default=1, description="Parity records per stripe (only 1 is implemented)")
-    code: Literal["xor", "sum"] = Field(default="xor", description="xor (bit-exact) or sum (paper, float)")
-    two_phase_commit: bool = Field(default=True, description="Stage/commit updates; off to measure its cost")
-    replicate_dense: bool = Field(default=True, description="Keep two replicas of every dense chunk")
-    lock_group_rows: PosInt = Field(default=65536, description="Lost rows rebuilt per lock group")
+    k: PosInt = Field(
+        default=4,
+        description="Data row records per stripe: k rows on k distinct servers share r parity records on other "
+        "servers. Parity costs 1/k of the embedding memory; rebuilding a lost row reads k-1 rows + parity. "
+        "Needs servers.replicas >= k + r",
+    )
+    r: PosInt = Field(
+        default=1,
+        description="Parity records per stripe = server failures survived at once (only 1 is implemented)",
+    )
+    code: Literal["xor", "sum"] = Field(
+        default="xor",
+        description="Parity code. xor: XOR of the records' bit patterns, recovery is bit-exact. sum: float sum "
+        "of the records as in the paper, recovery has rounding error",
+    )
+    two_phase_commit: bool = Field(
+        default=True,
+        description="Stage each update on the data and parity servers, then commit it, so a failure mid-update "
+        "never leaves parity out of step; false only to measure what this costs",
+    )
+    replicate_dense: bool = Field(
+        default=True,
+        description="Keep two replicas of every dense-parameter (MLP) chunk on different servers, so a failed "
+        "server's dense parameters are copied back instead of decoded",
+    )
+    lock_group_rows: PosInt = Field(
+        default=65536,
+        description="Lost rows a recovery rebuilds at once (a lock group); updates to rows of the group being "
+        "rebuilt are buffered. Smaller groups pause fewer rows, larger ones switch less often",
+    )
     txn_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="A staged part whose worker never commits is aborted after this long"
+        default=10.0,
+        gt=0,
+        description="A staged update whose worker never commits (e.g. the worker died) is aborted after this "
+        "long",
     )
 
 
@@ -274,11 +452,53 @@ class CprSpec(_Section):
 class FaultToleranceSpec(_Section):
     """How the job survives a server failure; only the selected strategy's settings are used."""
 
-    strategy: Strategy = Field(default="none", description="none | ecrec | checkpoint | checknrun | cpr")
-    ecrec: EcrecSpec = Field(default_factory=EcrecSpec, description="Settings for strategy ecrec")
+    strategy: Strategy = Field(
+        default="none",
+        description="none: a failed server's rows are lost and the job fails. ecrec: erasure-coded parameter "
+        "servers, training goes on through a failure and its recovery. checkpoint, checknrun, cpr: the "
+        "checkpoint-based baselines of the paper",
+    )
+    ecrec: EcrecSpec = Field(
+        default_factory=EcrecSpec,
+        description="Settings for strategy ecrec (ignored otherwise). Embedding rows and their optimizer state "
+        "are erasure-coded across the servers in stripes of k data records + r parity records; dense "
+        "parameters are replicated on two servers. When a server fails, reads of its rows are decoded from "
+        "the survivors (degraded mode), a replacement server with the same shard id is started, and its rows "
+        "are rebuilt lock group by lock group while training continues. Needs servers.replicas >= k + r",
+    )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Settings for checkpoint")
     checknrun: ChecknrunSpec = Field(default_factory=ChecknrunSpec, description="Settings for checknrun")
     cpr: CprSpec = Field(default_factory=CprSpec, description="Settings for cpr")
+
+
+class RunPolicy(_Section):
+    """The job's lifecycle on Kubernetes, as Kubeflow's RunPolicy. Kubernetes only: ecrec local ignores it."""
+
+    clean_pod_policy: Literal["None", "Running", "All"] = Field(
+        default="Running",
+        description="Which pods the operator deletes when the job has finished. Running (default, as Kubeflow's "
+        "TFJob, whose parameter servers likewise never exit by themselves): pods still running (servers, "
+        "coordinator); finished pods and their logs stay. All: every pod. None: no pod",
+    )
+    ttl_seconds_after_finished: int | None = Field(
+        default=None,
+        ge=0,
+        description="Delete the ECRecJob (and through owner references everything it created) this many seconds "
+        "after it finished (status.completionTime); unset = keep it",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="The job fails (reason DeadlineExceeded) and its running pods are deleted when it has been "
+        "active this many seconds since status.startTime; unset = no deadline",
+    )
+    backoff_limit: int | None = Field(
+        default=None,
+        ge=0,
+        description="Pod replacements (status.replacements: servers rebuilt after a failure, workers and the "
+        "coordinator restarted) allowed before the job fails with reason BackoffLimitExceeded; "
+        "unset = no limit",
+    )
 
 
 class JobSpec(_Section):
@@ -293,6 +513,11 @@ class JobSpec(_Section):
     fault_tolerance: FaultToleranceSpec = Field(
         default_factory=FaultToleranceSpec, description="Fault-tolerance strategy and its settings"
     )
+    run_policy: RunPolicy = Field(
+        default_factory=RunPolicy,
+        description="Kubernetes only (ecrec local ignores it): cleanup, deadline and retry limit, as Kubeflow's "
+        "runPolicy",
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
@@ -304,6 +529,18 @@ class JobSpec(_Section):
     def to_dict(self) -> dict[str, Any]:
         """camelCase, JSON-safe, defaults and preset-filled fields included; `job_from_dict` reads it back."""
         return self.model_dump(mode="json", by_alias=True)
+
+    def without_kubernetes_fields(self) -> JobSpec:
+        """This spec with every Kubernetes-only field (`KUBERNETES_ONLY_FIELDS`) back at its default: what
+        `ecrec local` runs is the same for both."""
+        doc = self.to_dict()
+        for path in KUBERNETES_ONLY_FIELDS:
+            *parents, leaf = path.split(".")
+            node = doc
+            for part in parents:
+                node = node[part]
+            node.pop(leaf)
+        return JobSpec.model_validate(doc)
 
     def model_config_resolved(self) -> ModelConfig:
         """The model shape after preset and scale, as the model code wants it."""
@@ -317,6 +554,14 @@ class JobSpec(_Section):
             bottom_mlp=tuple(m.bottom_mlp or ()),
             top_mlp=tuple(m.top_mlp or ()),
         )
+
+
+ROLES = ("servers", "workers", "coordinator")
+# camelCase paths below spec of the fields only the Kubernetes operator reads.
+KUBERNETES_ONLY_FIELDS: tuple[str, ...] = (
+    *(f"{role}.{field}" for role in ROLES for field in ROLE_POD_FIELDS),
+    "runPolicy",
+)
 
 
 def _cross_field_problems(s: JobSpec) -> list[str]:
@@ -353,6 +598,33 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
             f"spec.coordinator.failureTimeoutSeconds: must be greater than heartbeatIntervalSeconds "
             f"({c.failure_timeout_seconds} <= {c.heartbeat_interval_seconds})"
         )
+    for role in ROLES:
+        out += _pod_problems(f"spec.{role}", getattr(s, role))
+    return out
+
+
+def _pod_problems(path: str, role: ServersSpec | WorkersSpec | CoordinatorSpec) -> list[str]:
+    """What the API server would refuse when the operator creates the role's pods, found before it does."""
+    out: list[str] = []
+    res = role.resources
+    for kind, quantities in (("requests", res.requests), ("limits", res.limits)):
+        for name, q in quantities.items():
+            if parse_quantity(q) < 0:
+                out.append(f"{path}.resources.{kind}.{name}: must not be negative, got {q}")
+    for name, request in res.requests.items():
+        limit = res.limits.get(name)
+        if limit is not None and parse_quantity(request) > parse_quantity(limit):
+            out.append(f"{path}.resources.requests.{name}: {request} exceeds the limit {limit}")
+    for i, t in enumerate(role.tolerations):
+        at = f"{path}.tolerations[{i}]"
+        if t.operator == "Exists" and t.value:
+            out.append(f"{at}.value: must be empty when operator is Exists")
+        if t.operator == "Equal" and not t.key:
+            out.append(
+                f"{at}.key: required when operator is Equal (operator Exists without a key tolerates all)"
+            )
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            out.append(f"{at}.tolerationSeconds: only valid with effect NoExecute")
     return out
 
 
@@ -370,6 +642,8 @@ def _section_at(loc: Sequence[int | str]) -> type[BaseModel] | None:
     """The model class whose fields live at `loc` (camelCase path below spec), for typo suggestions."""
     cls: type[BaseModel] = JobSpec
     for part in loc:
+        if isinstance(part, int):
+            continue  # an index into a list of sections (tolerations): its items are `cls` already
         field = next((f for n, f in cls.model_fields.items() if part in (n, f.alias)), None)
         if field is None:
             return None
@@ -507,6 +781,201 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> Job:
         raise SpecError(e.problems, source=str(p)) from None
 
 
+# -- status -------------------------------------------------------------------------------------------------
+
+PHASES = ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed")
+Phase = Literal["Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed"]
+# Condition types the operator sets (Kubeflow's, plus ECRec's two degraded states); `type` is not an enum so
+# that an older CRD never refuses a newer operator's condition.
+CONDITION_TYPES = ("Created", "Running", "Degraded", "Recovering", "Restarting", "Succeeded", "Failed")
+ShardStateName = Literal["pending", "up", "failed", "recovering"]  # ecrec.core.cluster.ShardState
+RecoveryState = Literal[
+    "detected", "waiting", "running", "completed", "failed"
+]  # core.recovery.RecoveryRecord
+ROLE_NAMES = ("server", "worker", "coordinator")  # the `role` pod label and metrics label
+
+
+class _Status(_Section):
+    """Status sections: every field optional, so an instance holding only what changed is a merge patch."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """camelCase, JSON-safe, unset fields left out: the body of a merge patch of `status`."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class JobCondition(_Status):
+    """One Kubeflow-style condition of the job; at most one per type."""
+
+    type: str = Field(
+        min_length=1,
+        description="Created, Running, Degraded (a server is down, its rows are served decoded), Recovering "
+        "(a replacement server is being rebuilt), Restarting (a pod is being replaced), Succeeded or Failed",
+    )
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds now")
+    reason: str | None = Field(
+        default=None,
+        description="CamelCase cause: ECRecJob<Created|Running|Succeeded|Failed|Restarting>, ShardFailed, "
+        "RecoveryCompleted, BackoffLimitExceeded, DeadlineExceeded, ...",
+    )
+    message: str | None = Field(default=None, description="Human-readable detail")
+    last_update_time: datetime | None = Field(default=None, description="When the condition was last written")
+    last_transition_time: datetime | None = Field(
+        default=None, description="When status last changed (True/False/Unknown)"
+    )
+
+
+class ShardStatus(_Status):
+    """One parameter server (shard id) as the coordinator's cluster map sees it."""
+
+    shard: int = Field(ge=0, description="Shard id, 0..servers.replicas-1")
+    state: ShardStateName | None = Field(
+        default=None,
+        description="pending (never registered), up (serving), failed (declared dead: its rows are decoded "
+        "from the others), recovering (a replacement registered and is being rebuilt)",
+    )
+    incarnation: int | None = Field(
+        default=None,
+        ge=0,
+        description="Server processes registered under this shard id so far (1 = original)",
+    )
+    pod: str | None = Field(default=None, description="Name of the pod serving the shard now")
+
+
+class ServersStatus(_Status):
+    """The parameter servers: counts for the Servers column and the state of each shard."""
+
+    up: int | None = Field(default=None, ge=0, description="Shards in state up")
+    total: int | None = Field(default=None, ge=0, description="Shards in all (spec.servers.replicas)")
+    shards: list[ShardStatus] | None = Field(
+        default=None,
+        description="One entry per shard id",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["shard"]},
+    )
+
+
+class ReplicaStatus(_Status):
+    """Pod counts of one role, as Kubeflow's ReplicaStatus."""
+
+    active: int = Field(default=0, ge=0, description="Pods running or pending")
+    succeeded: int = Field(default=0, ge=0, description="Pods that exited successfully")
+    failed: int = Field(default=0, ge=0, description="Pods that failed (each is replaced; see replacements)")
+
+
+class ReplicaStatuses(_Status):
+    """Pod counts per role."""
+
+    server: ReplicaStatus | None = Field(default=None, description="Parameter-server pods")
+    worker: ReplicaStatus | None = Field(default=None, description="Worker pods")
+    coordinator: ReplicaStatus | None = Field(default=None, description="Coordinator pod")
+
+
+class RecoveryStatus(_Status):
+    """One failure of one shard, from the kill to full recovery (the coordinator's recovery record)."""
+
+    shard: int = Field(ge=0, description="The failed shard id")
+    state: RecoveryState | None = Field(
+        default=None,
+        description="detected (failure declared), waiting (for a replacement server), running (rebuilding "
+        "lock groups), completed, failed",
+    )
+    killed_at: datetime | None = Field(default=None, description="When the server died, where known")
+    detected_at: datetime | None = Field(default=None, description="When the coordinator declared it failed")
+    continued_at: datetime | None = Field(
+        default=None, description="When training completed its first step after the detection"
+    )
+    completed_at: datetime | None = Field(default=None, description="When every lost row was rebuilt")
+    rows_recovered: int | None = Field(default=None, ge=0, description="Row records rebuilt so far")
+    message: str | None = Field(default=None, description="Why the recovery failed, if it did")
+
+
+class EvalStatus(_Status):
+    """Quality on the held-out samples (spec.data.evalSamples)."""
+
+    auc: float | None = Field(default=None, ge=0, le=1, description="Area under the ROC curve")
+    logloss: float | None = Field(default=None, ge=0, description="Mean binary cross-entropy")
+
+
+class ParityCheckStatus(_Status):
+    """The last parity check (invariant I1: every stripe's parity equals the code of its data records)."""
+
+    stripes: int | None = Field(default=None, ge=0, description="Stripes checked")
+    mismatches: int | None = Field(default=None, ge=0, description="Stripes whose parity did not match")
+    checked_at: datetime | None = Field(default=None, description="When the check ran")
+
+
+class JobStatus(_Status):
+    """The status of an ECRecJob, written by the operator through the status subresource."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation of the spec this status describes"
+    )
+    phase: Phase | None = Field(
+        default=None,
+        description="Pending (pods starting), Running, Degraded (a server is down; its rows are decoded from "
+        "the others), Recovering (a replacement server is being rebuilt while training goes on), Succeeded, "
+        "Failed (see reason)",
+    )
+    reason: str | None = Field(default=None, description="Why the job is in its phase, e.g. why it failed")
+    conditions: list[JobCondition] | None = Field(
+        default=None,
+        description="Kubeflow-style conditions, one per type",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    start_time: datetime | None = Field(default=None, description="When the operator started the job's pods")
+    completion_time: datetime | None = Field(default=None, description="When the job succeeded or failed")
+    step: int | None = Field(default=None, ge=0, description="Training steps done by the slowest worker")
+    total_steps: int | None = Field(default=None, ge=0, description="Steps per worker (spec.training.steps)")
+    step_text: str | None = Field(
+        default=None, description='"step/totalSteps" for the Step column; filled from them when left out'
+    )
+    samples_per_second: float | None = Field(
+        default=None, ge=0, description="Recent training throughput, all workers together"
+    )
+    servers: ServersStatus | None = Field(default=None, description="Parameter servers: counts and shards")
+    servers_text: str | None = Field(
+        default=None, description='"up/total" for the Servers column; filled from servers when left out'
+    )
+    replica_statuses: ReplicaStatuses | None = Field(default=None, description="Pod counts per role")
+    recoveries: list[RecoveryStatus] | None = Field(
+        default=None, description="Server recoveries, oldest first (the operator may keep only the latest)"
+    )
+    recovery_count: int | None = Field(
+        default=None,
+        ge=0,
+        description="Recoveries started in all, for the Recoveries column; filled from recoveries when left out",
+    )
+    replacements: int | None = Field(
+        default=None,
+        ge=0,
+        description="Pods the operator created to replace lost ones (see runPolicy.backoffLimit)",
+    )
+    evaluation: EvalStatus | None = Field(
+        default=None, alias="eval", description="Latest evaluation on the held-out samples"
+    )
+    parity_check: ParityCheckStatus | None = Field(default=None, description="Latest parity check")
+    kopf: Annotated[
+        dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "description": "kopf's own bookkeeping (handler progress); kept as written",
+            }
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _fill_texts(self) -> JobStatus:
+        if self.step_text is None and self.step is not None and self.total_steps is not None:
+            self.step_text = f"{self.step}/{self.total_steps}"
+        s = self.servers
+        if self.servers_text is None and s is not None and s.up is not None and s.total is not None:
+            self.servers_text = f"{s.up}/{s.total}"
+        if self.recovery_count is None and self.recoveries is not None:
+            self.recovery_count = len(self.recoveries)
+        return self
+
+
 # -- CustomResourceDefinition --------------------------------------------------------------------------------
 
 # Fields a preset may fill: a CRD default would make the apiserver set them explicitly, overriding the preset.
@@ -514,7 +983,8 @@ _PRESET_FILLED = ("embeddingDim", "tableSizes", "bottomMlp", "topMlp")
 _KEEP = {
     "type", "properties", "items", "additionalProperties", "required", "enum", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength", "maxLength", "default",
-    "description", "nullable", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
+    "description", "nullable", "pattern", "format", "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 }  # fmt: skip
 
 
@@ -551,7 +1021,27 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             continue  # a null default means "unset"; nothing to default
         else:
             out[key] = value
-    return out
+    return _ordered(out)
+
+
+_KEY_ORDER = ("description", "type", "format", "enum", "pattern", "default")
+
+
+def _ordered(node: dict[str, Any]) -> dict[str, Any]:
+    # A stable, readable key order for the committed YAML: what a field is first, its sub-fields last.
+    rank = {k: i for i, k in enumerate(_KEY_ORDER)}
+    last = ("required", "items", "additionalProperties", "properties")
+    return dict(
+        sorted(
+            node.items(),
+            key=lambda kv: (
+                kv[0] in last,
+                last.index(kv[0]) if kv[0] in last else 0,
+                rank.get(kv[0], len(rank)),
+                kv[0],
+            ),
+        )
+    )
 
 
 def spec_openapi_schema() -> dict[str, Any]:
@@ -570,46 +1060,91 @@ def _default_sections(cls: type[BaseModel], schema: dict[str, Any]) -> None:
     for name, field in cls.model_fields.items():
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
-            node = schema["properties"][field.alias or name]
+            alias = field.alias or name
             if not field.is_required():
-                node["default"] = {}
-            _default_sections(sub, node)
+                schema["properties"][alias] = _ordered({**schema["properties"][alias], "default": {}})
+            _default_sections(sub, schema["properties"][alias])
+
+
+def status_openapi_schema() -> dict[str, Any]:
+    """The structural openAPIV3Schema of `status`, generated from `JobStatus`: no defaults (status is what the
+    operator observed), `kopf` kept unpruned for kopf's own progress."""
+    raw = JobStatus.model_json_schema(by_alias=True)
+    schema = _structural(raw, raw.get("$defs", {}))
+    _drop_defaults(schema)
+    return schema
+
+
+def _drop_defaults(node: dict[str, Any]) -> None:
+    node.pop("default", None)
+    for sub in node.get("properties", {}).values():
+        _drop_defaults(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _drop_defaults(node[key])
+
+
+def _column(name: str, type_: str, path: str, description: str, priority: int = 0) -> dict[str, Any]:
+    col = {"name": name, "type": type_, "jsonPath": path, "description": description}
+    return {**col, "priority": priority} if priority else col
+
+
+# `kubectl get ecj`; the priority-1 columns only with -o wide. Step and Servers are "n/m" strings the operator
+# writes (status.stepText, status.serversText): a printer column cannot compute them.
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    _column(
+        "Phase", "string", ".status.phase", "Pending, Running, Degraded, Recovering, Succeeded or Failed"
+    ),
+    _column(
+        "Step", "string", ".status.stepText", "Training steps done by the slowest worker / steps per worker"
+    ),
+    _column("Samples/s", "number", ".status.samplesPerSecond", "Recent training throughput"),
+    _column("Servers", "string", ".status.serversText", "Parameter servers up / in all"),
+    _column("Recoveries", "integer", ".status.recoveryCount", "Server recoveries started"),
+    _column("Replacements", "integer", ".status.replacements", "Pods created to replace lost ones"),
+    _column("Age", "date", ".metadata.creationTimestamp", "Time since the job was created"),
+    _column("Reason", "string", ".status.reason", "Why the job is in its phase", priority=1),
+    _column("AUC", "number", ".status.eval.auc", "AUC on the held-out samples", priority=1),
+]
 
 
 def crd_manifest() -> dict[str, Any]:
-    """The ECRecJob CustomResourceDefinition (apiextensions.k8s.io/v1)."""
+    """The ECRecJob CustomResourceDefinition (apiextensions.k8s.io/v1); served by Kubernetes >= 1.16 (no CEL)."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "metadata": {"name": CRD_NAME},
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"plural": PLURAL, "singular": "ecrecjob", "kind": KIND, "shortNames": ["ecj"]},
+            "names": {
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "shortNames": list(SHORT_NAMES),
+                "categories": list(CATEGORIES),
+            },
             "versions": [
                 {
                     "name": VERSION,
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-                        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
-                        {"name": "Samples/s", "type": "number", "jsonPath": ".status.samplesPerSecond"},
-                        {"name": "Replacements", "type": "integer", "jsonPath": ".status.replacements"},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                    ],
+                    "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "A fault-tolerant DLRM training job on erasure-coded parameter servers",
+                            "description": "A fault-tolerant DLRM training job on erasure-coded parameter servers "
+                            "(ECRec): the same spec runs as local processes (ecrec local) or as pods through the "
+                            "ECRec operator",
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
                                 "metadata": {"type": "object"},
                                 "spec": spec_openapi_schema(),
-                                "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                                "status": status_openapi_schema(),
                             },
                         }
                     },
@@ -617,3 +1152,21 @@ def crd_manifest() -> dict[str, Any]:
             ],
         },
     }
+
+
+CRD_HEADER = (
+    "# The ECRecJob CustomResourceDefinition, generated from services/ecrec/spec.py by `make crd` (`ecrec crd`).\n"
+    "# Do not edit: change the pydantic models and run `make crd`; tests/test_crd.py fails while they disagree.\n"
+)
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    # The schema reuses objects (one enum list for three roles' tolerations): write each out in full, no &id001.
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def crd_yaml() -> str:
+    """The CRD as the YAML file `make crd` writes to charts/ecrec/crds/ecrecjobs.yaml."""
+    body = yaml.dump(crd_manifest(), Dumper=_NoAliasDumper, sort_keys=False, width=110, allow_unicode=True)
+    return CRD_HEADER + body
