@@ -3,7 +3,8 @@
 `xor` works on the int32 bit patterns: bit-exact, and deltas commute, so a parity server may apply them in any
 order. Its parity may hold NaN/Inf bit patterns; it is only ever moved and XORed as int32, never used in float
 arithmetic. `sum` is the paper's float32 sum code: inexact under rounding; kept to reproduce the paper and to
-measure its drift. Zero records encode to zero under both, so padding slots cost nothing.
+measure its drift (decoders project what it decodes onto the optimizer's domain: RowOptimizer.project, and
+docs/protocol.md, "The sum code"). Zero records encode to zero under both, so padding slots cost nothing.
 
 Pure tensor functions: no I/O, and they run on whatever device their inputs live on.
 """
@@ -17,6 +18,9 @@ import torch
 
 class Code(abc.ABC):
     name: str
+    # Whether decode gives back the member's exact bits. An inexact code's decode may leave a record outside
+    # what the optimizer could have produced (an accumulator at -1e-10), so decoders project it back.
+    exact: bool
 
     @abc.abstractmethod
     def encode(self, members: torch.Tensor) -> torch.Tensor:
@@ -42,6 +46,7 @@ class Code(abc.ABC):
 
 class XorCode(Code):
     name = "xor"
+    exact = True
 
     @staticmethod
     def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +79,7 @@ class XorCode(Code):
 
 class SumCode(Code):
     name = "sum"
+    exact = False
 
     def encode(self, members: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(members.shape[1:], dtype=torch.float32, device=members.device)

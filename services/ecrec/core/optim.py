@@ -29,11 +29,19 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adagrad", "rowwise_adagrad", 
 MAX_ADAM_STEP = 1 << 24
 _POW_SPLIT = 1 << 12  # step = hi * 4096 + lo; beta**step = table_hi[hi] * table_lo[lo]
 
+# Domains of record parts: the values an optimizer can produce there. A record decoded with an inexact code
+# (core/codes.py, Code.exact) is projected back onto them before it is used (RowOptimizer.project).
+REAL = "real"  # any float: embeddings, momentum, Adam's first moment
+NON_NEGATIVE = "non_negative"  # sums of squares (Adagrad's accumulator, Adam's second moment): sqrt is taken
+COUNT = "count"  # integral step counts in [0, MAX_ADAM_STEP] (Adam's bias correction indexes tables by them)
+
 
 class RowOptimizer(abc.ABC):
     """One optimizer over row records `[emb(d), state(state_width(d))]`."""
 
     name: str = ""
+    # (name, domain) of each state field, in record order (widths: _state_layout).
+    state_fields: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, lr: float, *, weight_decay: float = 0.0) -> None:
         _check_non_negative("lr", lr)
@@ -85,6 +93,38 @@ class RowOptimizer(abc.ABC):
         """Widths of the state fields after the embedding, in record order."""
         return [self.state_width(dim)] if self.state_width(dim) else []
 
+    def record_parts(self, dim: int) -> list[tuple[str, int, str]]:
+        """(name, width, domain) of each part of a record: "emb", then the state fields, in record order."""
+        widths = self._state_layout(dim)
+        return [("emb", dim, REAL), *((n, w, d) for (n, d), w in zip(self.state_fields, widths, strict=True))]
+
+    def project(self, records: Tensor, dim: int) -> Tensor:
+        """records [n, W] -> records whose every part lies in its domain; the input is never mutated.
+
+        For records decoded with an inexact code: a rounding error of the sum code turns an Adagrad
+        accumulator of 0 into -1e-10, and sqrt of it into NaN. Projection moves such a value to the nearest
+        one of its domain (0; for a count, the nearest integer), which is no farther from the true value than
+        the decode was (for a count, while its error is below 0.5: integral sums below 2**24 are exact). It
+        is the identity (same bits) on records the optimizer produced, and returns `records` itself when
+        every part is unbounded. Elementwise: a row's result does not depend on its batch.
+        """
+        parts = self.record_parts(dim)
+        widths = [w for _n, w, _d in parts]
+        if records.dim() != 2 or records.shape[1] != sum(widths):
+            raise ValueError(
+                f"{self.name}: records of dim {dim} are [n, {sum(widths)}], got {tuple(records.shape)}"
+            )
+        if all(d == REAL for _n, _w, d in parts):
+            return records
+        out = []
+        for part, (_n, _w, domain) in zip(records.split(widths, dim=1), parts, strict=True):
+            if domain == NON_NEGATIVE:
+                part = part.clamp(min=0.0)
+            elif domain == COUNT:
+                part = part.round().clamp(0.0, float(MAX_ADAM_STEP))
+            out.append(part)
+        return torch.cat(out, dim=1)
+
     @abc.abstractmethod
     def _update(self, emb: Tensor, state: list[Tensor], grad: Tensor) -> list[Tensor]:
         """emb [n, d], state fields per `_state_layout`, grad [n, d] (weight decay applied) -> new record parts."""
@@ -114,6 +154,7 @@ class MomentumSgd(RowOptimizer):
     """
 
     name = "momentum"
+    state_fields = (("momentum", REAL),)
 
     def __init__(self, lr: float, *, momentum: float = 0.9, weight_decay: float = 0.0) -> None:
         super().__init__(lr, weight_decay=weight_decay)
@@ -132,6 +173,7 @@ class Adagrad(RowOptimizer):
     """Record `[emb, acc(d)]`; torch.optim.Adagrad (lr_decay=0, initial_accumulator_value=0)."""
 
     name = "adagrad"
+    state_fields = (("acc", NON_NEGATIVE),)
 
     def __init__(self, lr: float, *, eps: float = 1e-10, weight_decay: float = 0.0) -> None:
         super().__init__(lr, weight_decay=weight_decay)
@@ -155,6 +197,7 @@ class RowwiseAdagrad(RowOptimizer):
     """
 
     name = "rowwise_adagrad"
+    state_fields = (("acc", NON_NEGATIVE),)
 
     def __init__(self, lr: float, *, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(lr, weight_decay=weight_decay)
@@ -178,6 +221,7 @@ class Adam(RowOptimizer):
     """
 
     name = "adam"
+    state_fields = (("exp_avg", REAL), ("exp_avg_sq", NON_NEGATIVE), ("step", COUNT))
 
     def __init__(
         self,
