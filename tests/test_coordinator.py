@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ecrec.coordinator import Coordinator, create_app
-from ecrec.core.cluster import ClusterMap, ShardState
+from ecrec.core.cluster import ClusterMap, ProbeFirst, ShardState
 from tests.conftest import make_ctx
 
 
 def test_silent_server_is_failed_and_epoch_bumps():
     cm = ClusterMap(num_servers=2, failure_timeout=1.0, recoverable=True)
-    cm.register(0, "a:1", now=0.0)
-    cm.register(1, "b:1", now=0.0)
+    cm.register(0, "a:1", now=0.0, instance="a")
+    cm.register(1, "b:1", now=0.0, instance="b")
     assert cm.ready and cm.epoch == 1
-    cm.heartbeat(0, "a:1", now=0.9)
+    cm.heartbeat(0, "a:1", now=0.9, instance="a")
     assert cm.tick(now=1.5)[0].kind == "failure_detected"
     assert cm.shards[1].state is ShardState.FAILED and cm.shards[0].state is ShardState.UP
     assert cm.epoch == 2
@@ -24,36 +25,48 @@ def test_silent_server_is_failed_and_epoch_bumps():
 
 def test_replacement_registers_as_recovering_with_new_epoch():
     cm = ClusterMap(num_servers=2, failure_timeout=1.0, recoverable=True)
-    cm.register(0, "a:1", 0.0)
-    cm.register(1, "b:1", 0.0)
+    cm.register(0, "a:1", 0.0, instance="a")
+    cm.register(1, "b:1", 0.0, instance="b")
     cm.report_failure(1, 0.5)
-    kinds = [t.kind for t in cm.register(1, "b:2", 0.7)]
+    kinds = [t.kind for t in cm.register(1, "b:2", 0.7, instance="b2", replacement=True)]
     assert kinds == ["replacement_registered"]
     assert cm.shards[1].state is ShardState.RECOVERING and cm.shards[1].incarnation == 2
-    assert not cm.heartbeat(1, "b:1", 0.8)  # the old process is disowned
+    assert not cm.heartbeat(1, "b:1", 0.8, instance="b")  # the old process is disowned
+    assert cm.heartbeat(1, "b:2", 0.8, instance="b2")
     assert cm.recovered(1, 1.0)[0].epoch == cm.epoch == 4
 
 
 def test_fast_restart_under_same_shard_counts_as_failure():
     cm = ClusterMap(num_servers=1, failure_timeout=10.0, recoverable=True)
-    cm.register(0, "a:1", 0.0)
-    kinds = [t.kind for t in cm.register(0, "a:2", 1.0)]
+    cm.register(0, "a:1", 0.0, instance="a")
+    with pytest.raises(ProbeFirst):  # the registered process may still serve: the caller must probe it
+        cm.register(0, "a:2", 1.0, instance="a2", replacement=True)
+    assert cm.shards[0].state is ShardState.UP and cm.epoch == 1  # nothing changed
+    kinds = [t.kind for t in cm.register(0, "a:2", 1.0, instance="a2", replacement=True, confirmed_dead=True)]
     assert kinds == ["failure_detected", "replacement_registered"]
 
 
 def test_rest_flow_registration_progress_and_metrics():
     ctx = make_ctx(servers__replicas=2, workers__replicas=2)
-    coord = Coordinator(ctx.job, probe=lambda addr: False)
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: False)
     api = TestClient(create_app(coord))
     assert api.get("/healthz").json() == {"ok": True}
     for s in range(2):
-        assert api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}"}).status_code == 200
+        assert (
+            api.post(
+                "/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"}
+            ).status_code
+            == 200
+        )
     assert api.get("/cluster").json()["ready"]
-    assert api.post("/v1/servers/register", json={"shard": 9, "address": "x"}).status_code == 400
-    assert not api.post("/v1/workers/register", json={"rank": 0}).json()["started"]
-    assert api.post("/v1/workers/register", json={"rank": 1}).json()["started"]
-    api.post("/v1/workers/progress", json={"rank": 0, "step": 3, "samples": 192})
-    api.post("/v1/workers/progress", json={"rank": 1, "step": 2, "samples": 128})
+    assert (
+        api.post("/v1/servers/register", json={"shard": 9, "address": "x", "instance": "x"}).status_code
+        == 400
+    )
+    assert not api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"}).json()["started"]
+    assert api.post("/v1/workers/register", json={"rank": 1, "instance": "w1"}).json()["started"]
+    api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": 3, "samples": 192})
+    api.post("/v1/workers/progress", json={"rank": 1, "instance": "w1", "step": 2, "samples": 128})
     status = api.get("/v1/status").json()
     assert status["phase"] == "Running" and status["samples"] == 320 and status["step"] == 2
     # A failure report is confirmed with a probe before the shard is marked failed.
@@ -71,10 +84,10 @@ def test_rest_flow_registration_progress_and_metrics():
 
 def test_failure_report_for_a_live_server_is_ignored():
     ctx = make_ctx(servers__replicas=2)
-    coord = Coordinator(ctx.job, probe=lambda addr: True)
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: True)
     api = TestClient(create_app(coord))
     for s in range(2):
-        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}"})
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
     epoch = api.post("/v1/failures", json={"shard": 0}).json()["epoch"]
     assert epoch == 1 and api.get("/cluster").json()["shards"][0]["state"] == "up"
 
@@ -82,12 +95,14 @@ def test_failure_report_for_a_live_server_is_ignored():
 def test_throughput_series_from_progress():
     ctx = make_ctx(workers__replicas=1)
     now = [100.0]
-    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a: True)
+    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: True)
     api = TestClient(create_app(coord))
-    api.post("/v1/workers/register", json={"rank": 0})
+    for s in range(2):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
     for i in range(1, 6):
         now[0] = 100.0 + 0.5 * i
-        api.post("/v1/workers/progress", json={"rank": 0, "step": i, "samples": 500 * i})
+        api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": i, "samples": 500 * i})
         coord.tick()
     series = api.get("/v1/status").json()["throughputSeries"]
     assert series and all(abs(rate - 1000.0) < 1e-6 for _, rate in series)
@@ -96,7 +111,7 @@ def test_throughput_series_from_progress():
 
 def test_bad_shard_in_a_heartbeat_is_a_400_and_the_coordinator_keeps_serving():
     ctx = make_ctx(servers__replicas=2)
-    api = TestClient(create_app(Coordinator(ctx.job, probe=lambda a: True)))
-    r = api.post("/v1/servers/heartbeat", json={"shard": 5, "address": "x"})
+    api = TestClient(create_app(Coordinator(ctx.job, probe=lambda a, i: True)))
+    r = api.post("/v1/servers/heartbeat", json={"shard": 5, "address": "x", "instance": "x"})
     assert r.status_code == 400 and "out of range" in r.json()["detail"]
     assert api.get("/healthz").json() == {"ok": True}

@@ -326,8 +326,19 @@ def test_resolved_outcomes_are_bounded():
     pp = parity_participant()
     pp.max_resolved = 3
     for i in range(5):
+        pp.stage(batch(f"t{i}", 1, index=[0], slot=[1], version=[1]))
         pp.abort(f"t{i}", 1)
     assert list(pp.resolved) == [("t2", 1), ("t3", 1), ("t4", 1)]
+
+
+def test_a_stray_abort_leaves_no_trace_and_later_deltas_still_commit():
+    pp = parity_participant()
+    assert pp.abort("w0-3/1.-1.0", 1) == "unknown"
+    assert not pp.resolved
+    b = batch("w0-3/1.-1.0", 1, index=[0], slot=[1], version=[1])
+    pp.stage(b)
+    assert pp.commit("w0-3/1.-1.0", 1) == "committed"
+    assert torch.equal(bits(pp.parity[0]), bits(xor_rows(parity_participant().parity, b.index, b.delta)[0]))
 
 
 # -- plan_recovery -------------------------------------------------------------------------------------------

@@ -40,6 +40,12 @@ def cmd_local(args) -> int:
             "[red]error:[/] --kill/--chaos need faultTolerance.strategy 'ecrec' (nothing could recover)"
         )
         return 2
+    if args.rebuild_error and not ctx.spec.training.deterministic:
+        console.print(
+            "[red]error:[/] --rebuild-error needs --set training.deterministic=true (and "
+            "workers.replicas=1): it compares with the same run without faults"
+        )
+        return 2
     out = Path(args.out)
     s = ctx.spec
     console.print(
@@ -55,6 +61,7 @@ def cmd_local(args) -> int:
             kills=kills,
             chaos=args.chaos,
             seed=args.seed if args.seed is not None else ctx.spec.training.seed,
+            rebuild_error=args.rebuild_error,
         )
     except JobFailed as e:
         console.print(f"[red]job failed:[/] {e}")
@@ -80,6 +87,12 @@ def cmd_local(args) -> int:
             f"training continued {r['continued_at']}s, completed {r['completed_at']}s, "
             f"{r['rows_recovered']:,} rows rebuilt"
         )
+    for kind, e in report.get("rebuild_error", {}).items():
+        if kind != "reference":
+            errs = ", ".join(f"{n} {v['max_abs']:.3g}/{v['mean_abs']:.3g}" for n, v in e["parts"].items())
+            console.print(
+                f"{kind} records vs the run without faults: {e['records']:,}, max/mean |error| {errs}"
+            )
     console.print(f"report: {report_path}" + (f"\nthroughput plot: {plot_path}" if plot_path else ""))
     return 0
 
@@ -139,11 +152,9 @@ def cmd_validate(args) -> int:
 
 
 def cmd_crd(args) -> int:
-    import yaml
+    from ecrec.spec import crd_yaml
 
-    from ecrec.spec import crd_manifest
-
-    sys.stdout.write(yaml.safe_dump(crd_manifest(), sort_keys=False))
+    sys.stdout.write(crd_yaml())  # what `make crd` commits as charts/ecrec/crds/ecrecjobs.yaml
     return 0
 
 
@@ -195,6 +206,18 @@ def cmd_bench_recovery(args) -> int:
     return 0
 
 
+def cmd_bench_fuzz(args) -> int:
+    from ecrec.fuzz import fuzz_job
+
+    # Deterministic (one worker, each step committed before the next): the two runs must hash equal.
+    args.set = ["training.deterministic=true", "workers.replicas=1", *(args.set or [])]
+    result = fuzz_job(_job(args), args.count, args.seed, Path(args.out), rate=args.rate)
+    print(json.dumps(result, indent=2))
+    ok = result["same_params"] and not result["unexpected"] and result["parity_check"]["mismatches"] == 0
+    print("stray requests changed nothing" if ok else "FAILED: stray requests changed the job (see above)")
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ecrec", description="Erasure-coded fault-tolerant DLRM training")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -228,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="N kills of random shards at random times, one at a time",
     )
     p.add_argument("--seed", type=int, help="seed of --chaos (default: training.seed)")
+    p.add_argument(
+        "--rebuild-error",
+        action="store_true",
+        help="deterministic jobs: run again without faults and report the error of every decoded record",
+    )
     p.set_defaults(fn=cmd_local)
 
     p = sub.add_parser("validate", help="validate a job and print the effective spec")
@@ -275,6 +303,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-recovery")
     p.set_defaults(fn=cmd_bench_recovery)
+
+    p = bench.add_parser(
+        "fuzz", help="stray requests against a live deterministic job: they must change nothing"
+    )
+    job_args(p)
+    p.add_argument("--count", type=int, default=500, help="stray requests to send")
+    p.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="out/bench-fuzz")
+    p.set_defaults(fn=cmd_bench_fuzz)
     return ap
 
 

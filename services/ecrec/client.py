@@ -33,9 +33,59 @@ from ecrec.wire import floats_to_bytes, ids_to_bytes
 
 log = logging.getLogger("ecrec.client")
 READ_PAGE_ROWS = 1 << 18
-MAX_ATTEMPTS = 200
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # dead? ask the coordinator
 RETRYABLE = (*UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
+
+
+class Stalled(RuntimeError):
+    """A call made no progress for the job's progressTimeoutSeconds; the message names the last refusal."""
+
+
+class Retries:
+    """Why a call is being retried, for the log and for the reason it gives up with.
+
+    Counts refusals by (server, method, status) and logs them at most once a second; gives up (`Stalled`)
+    after `timeout` seconds without progress, naming the last server and status. Backs off while nothing
+    progresses, so a server that keeps refusing is not asked thousands of times a second."""
+
+    def __init__(self, what: str, timeout: float):
+        self.what, self.timeout = what, timeout
+        self.deadline = time.monotonic() + timeout
+        self.counts: dict[tuple[int, str, str], int] = {}
+        self.last: str | None = None
+        self.logged_at = time.monotonic()
+        self.fruitless = 0  # refusals since the last progress
+
+    def progress(self) -> None:
+        self.deadline = time.monotonic() + self.timeout
+        self.fruitless = 0
+
+    def note(self, server: int, method: str, err: grpc.RpcError | str) -> None:
+        if isinstance(err, grpc.RpcError):
+            code, detail = err.code().name, err.details()
+        else:
+            code, detail = "REFUSED", err
+        key = (server, method, code)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.last = f"server {server} {method}: {code}: {detail}"
+        self.fruitless += 1
+        now = time.monotonic()
+        if now - self.logged_at >= 1.0:
+            summary = ", ".join(f"server {s} {m} {c} x{n}" for (s, m, c), n in sorted(self.counts.items()))
+            log.warning(
+                "%s: retrying (%s in %.1fs); last: %s", self.what, summary, now - self.logged_at, self.last
+            )
+            self.counts, self.logged_at = {}, now
+
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise Stalled(
+                f"{self.what}: no progress for {self.timeout:g}s; last refusal: {self.last or 'none (no answer)'}"
+            )
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next try: nothing for the first few, then growing to 0.2 s."""
+        return 0.0 if self.fruitless < 4 else min(0.2, 0.001 * 2 ** min(self.fruitless - 4, 8))
 
 
 class ServerUnavailable(RuntimeError):
@@ -65,6 +115,7 @@ class PSClient:
         coordinator: str = "",
     ):
         self.ctx, self.timeout = ctx, timeout
+        self.progress_timeout = ctx.spec.coordinator.progress_timeout_seconds
         self.metrics = metrics or Metrics(ctx.name, "client")
         self.coordinator = coordinator.rstrip("/")
         self.http = httpx.Client(timeout=15.0) if coordinator else None
@@ -188,8 +239,9 @@ class PSClient:
         """Embedding rows for unique global ids `g` -> float32 [n, dim] (CPU)."""
         out = torch.empty(g.numel(), self.ctx.dim, dtype=torch.float32)
         todo = torch.arange(g.numel())
+        retries = Retries(f"pull of {g.numel()} rows", self.progress_timeout)
         with self.metrics.timed("Pull"):
-            for _attempt in range(MAX_ATTEMPTS):
+            while True:
                 calls = []
                 for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
                     pos = todo[pos]
@@ -212,12 +264,16 @@ class PSClient:
                             raise ServerUnavailable(server, e) from e
                         retry.append(pos)
                         errors.append((server, e))
+                        retries.note(server, "Pull", e)
                 if not retry:
                     return out
+                if len(retry) < len(calls):
+                    retries.progress()
+                retries.check()
                 for server, e in {s: e for s, e in errors}.items():
                     self._recover_from(server, e)
+                time.sleep(retries.backoff())
                 todo = torch.cat(retry)
-        raise RuntimeError("pull_rows: gave up after too many retries")
 
     def push_rows(self, g: torch.Tensor, grads: torch.Tensor, txn: str = "") -> Pending:
         """Foundation path (strategy none): apply at once, no retries."""
@@ -240,16 +296,21 @@ class PSClient:
         ctx = self.ctx
         out = torch.empty(ctx.dense_numel, dtype=torch.float32)
         todo = list(range(ctx.num_servers))
+        retries = Retries("pull of the dense parameters", self.progress_timeout)
         with self.metrics.timed("PullDense"):
-            for _attempt in range(MAX_ATTEMPTS):
-                calls = []
+            while True:
+                calls, retry, orphaned = [], [], False
                 for c in todo:
                     targets = self.dense_targets(c)
                     if not targets:
-                        raise RuntimeError(f"dense chunk {c} has no live replica")
+                        orphaned = True
+                        # Both replicas lost: more than this job can rebuild. The coordinator fails the job
+                        # and names the shards; until it does (or a replacement comes), wait like any refusal.
+                        retries.note(-1, "PullDense", f"dense chunk {c} has no live replica")
+                        retry.append(c)
+                        continue
                     req = pb.DensePullRequest(epoch=self.epoch, chunk=c)
                     calls.append((targets[0], c, self._call(targets[0], "PullDense", req)))
-                retry = []
                 for h, c, fut in calls:
                     try:
                         lo, hi = ctx.dense_bounds[c]
@@ -257,12 +318,18 @@ class PSClient:
                     except grpc.RpcError as e:
                         if not self.ft or e.code() not in RETRYABLE:
                             raise ServerUnavailable(h, e) from e
+                        retries.note(h, "PullDense", e)
                         self._recover_from(h, e)
                         retry.append(c)
                 if not retry:
                     return out
+                if len(retry) < len(todo):
+                    retries.progress()
+                retries.check()
+                if orphaned:
+                    self.refresh()  # a replica may be back: fetch the map
+                time.sleep(retries.backoff())
                 todo = retry
-        raise RuntimeError("pull_dense: gave up after too many retries")
 
     def push_dense(self, grad: torch.Tensor, txn: str = "") -> Pending:
         ctx, grad = self.ctx, grad.to("cpu", torch.float32)
@@ -295,7 +362,8 @@ class PSClient:
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
         update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
-        for _attempt in range(MAX_ATTEMPTS):
+        retries = Retries(f"update {step}", self.progress_timeout)
+        while True:
             parts = update.plan(self.view())
             if not parts:
                 return
@@ -316,6 +384,7 @@ class PSClient:
                     resp = fut.result()
                 except grpc.RpcError as e:
                     self._requeue(part.target, decisions, e)
+                    retries.note(part.target, "Stage", e)
                     self._stage_failed(part, e, errors)
                     continue
                 if not two_pc and part.src < 0:
@@ -344,14 +413,18 @@ class PSClient:
                 outcome = self._commit_outcome(part, fut)
                 if outcome == "committed":
                     update.committed(part)
+                    retries.progress()
                 elif outcome == "gone":
                     # It died (or was replaced) after staging: its staged records are gone, but its deltas
                     # are staged at the parity servers. Committing them applies the update exactly once —
                     # the rows are decoded from parity from now on.
                     update.committed_by_dead_target(part)
+                    retries.progress()
                     urgent = True
                 else:
-                    continue  # aborted (its txnTimeout expired): it told the parity servers; retry the part
+                    # aborted (its txnTimeout expired): it told the parity servers; retry the part
+                    retries.note(part.target, "Commit", f"{part.txn} was aborted")
+                    continue
                 self._queue_decisions(part, deltas)
             # (4) decisions: queued for the next pass, or sent now for a dead server's parts
             fault_point("worker:before_decide")
@@ -359,7 +432,10 @@ class PSClient:
                 self.flush_decisions()
             for server, e in errors.items():
                 self._recover_from(server, e)
-        raise RuntimeError(f"apply_update {step}: gave up after {MAX_ATTEMPTS} attempts")
+            if update.finished(self.view()):
+                return
+            retries.check()
+            time.sleep(retries.backoff())
 
     def _stage_failed(self, part: Part, e: grpc.RpcError, errors: dict) -> None:
         if e.code() not in RETRYABLE:

@@ -118,3 +118,14 @@ class JobContext:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> JobContext:
         return cls.from_json(Path(path).read_text())
+
+    @classmethod
+    def load(cls, ref: str) -> JobContext:
+        """From a `--job` argument: a JSON file ({name, spec}), or `env:VAR` for the JSON in an environment
+        variable (pods get the job that way: no volume to mount)."""
+        if ref.startswith("env:"):
+            var = ref[4:]
+            if var not in os.environ:
+                raise SystemExit(f"--job {ref}: environment variable {var} is not set")
+            return cls.from_json(os.environ[var])
+        return cls.from_file(ref)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class LocalCluster:
     coordinator_url: str = ""
     env: dict[str, str] = field(default_factory=dict)
     lost_workers: set[str] = field(default_factory=set)
+    instances: dict[str, str] = field(default_factory=dict)  # worker name -> the instance id it was given
 
     def __post_init__(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -176,8 +178,10 @@ class LocalCluster:
         servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
         self._wait("servers to register", lambda: self.get("/cluster")["ready"], timeout, [coord, *servers])
         for rank in range(self.ctx.spec.workers.replicas):
+            name = f"worker-{rank}"
+            self.instances[name] = f"{name}-{uuid.uuid4().hex[:8]}"
             self.spawn(
-                f"worker-{rank}",
+                name,
                 "ecrec.worker",
                 "--job",
                 str(self.job_file),
@@ -185,6 +189,8 @@ class LocalCluster:
                 str(rank),
                 "--coordinator",
                 self.coordinator_url,
+                "--instance",
+                self.instances[name],
             )
 
 
@@ -213,6 +219,7 @@ class Supervisor:
         self.rng = random.Random(seed)
         self.next_chaos: tuple[int, float] | None = None
         self.respawns = 0
+        self.to_recover: set[int] = set()  # respawned shards whose recovery the coordinator has not accepted
 
     def tick(self, cluster: LocalCluster, status: dict) -> None:
         if status.get("startedAt") is None or status["phase"] in ("Succeeded", "Failed"):
@@ -236,14 +243,21 @@ class Supervisor:
         self.respawn_dead(cluster)
 
     def respawn_dead(self, cluster: LocalCluster) -> None:
-        """Start an empty replacement for every dead server and ask the coordinator to rebuild it."""
+        """Start an empty replacement for every dead server and ask the coordinator to rebuild it once it has
+        registered (the coordinator refuses to recover a shard whose replacement it has not admitted)."""
         if not cluster.ctx.ecrec:
             return
         for shard in range(cluster.ctx.num_servers):
             if not cluster.children[f"server-{shard}"].alive:
                 cluster.spawn_server(shard, replacement=True)
                 self.respawns += 1
-                cluster.post("/recoveries", {"shard": shard})
+                self.to_recover.add(shard)
+        for shard in sorted(self.to_recover):
+            r = cluster.http.post(f"{cluster.coordinator_url}/recoveries", json={"shard": shard})
+            if r.status_code == 200:
+                self.to_recover.discard(shard)
+            elif r.status_code != 409:  # 409: not registered yet, asked again next tick
+                r.raise_for_status()
 
 
 def _all_recovered(status: dict) -> bool:
@@ -261,14 +275,27 @@ def run_local(
     seed: int = 0,
     fault: str | None = None,
     on_tick=None,
+    rebuild_error: bool = False,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Run the job to completion and return the report. Raises JobFailed (after cleaning up) on failure.
 
-    `fault` is an ECREC_FAULT_POINT spec (see ecrec.faults) fired once in this job."""
+    `fault` is an ECREC_FAULT_POINT spec (see ecrec.faults) fired once in this job. `rebuild_error` (needs
+    deterministic training) logs every record the servers decode, runs the job again without faults and adds
+    how far the decoded records were from that run's (ecrec.rebuild_error). `env` goes to the children."""
+    from ecrec import rebuild_error as rebuild
     from ecrec.client import PSClient, evaluate
     from ecrec.worker import data_source
 
+    if rebuild_error and not ctx.spec.training.deterministic:
+        raise ValueError("rebuild_error needs training.deterministic: true (it compares with a rerun)")
     cluster = LocalCluster(ctx, out_dir)
+    cluster.env.update(env or {})
+    if rebuild_error:
+        decoded = out_dir / "rebuild-error" / "decoded"
+        for old in decoded.glob("*.bin"):
+            old.unlink()
+        cluster.env[rebuild.DECODE_LOG_ENV] = str(decoded)
     fired = out_dir / "fault.fired"
     if fault:
         fired.unlink(missing_ok=True)
@@ -322,6 +349,8 @@ def run_local(
         extra["replacements"] = supervisor.respawns
     if fault:
         extra["fault"] = {"point": fault, "fired": fired.exists()}
+    if rebuild_error:
+        extra["rebuild_error"] = rebuild.measure(ctx, out_dir / "rebuild-error", progress=progress)
     return {
         **extra,
         "job": ctx.name,
@@ -419,8 +448,17 @@ def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -
                     # Killed (chaos, a fault point): the job goes on with the other workers.
                     if c.name not in cluster.lost_workers:
                         cluster.lost_workers.add(c.name)
-                        cluster.post("/v1/workers/lost", {"rank": int(c.name.split("-")[1])})
+                        cluster.post(
+                            "/v1/workers/lost",
+                            {"rank": int(c.name.split("-")[1]), "instance": cluster.instances[c.name]},
+                        )
                 elif c.name.startswith("worker") and code not in (None, 0):
+                    try:  # a worker reports why before it exits: that is the job's reason
+                        reason = cluster.get("/v1/status")["reason"]
+                    except httpx.HTTPError:
+                        reason = None
+                    if reason:
+                        raise JobFailed(f"job failed: {reason}")
                     raise JobFailed(f"{c.name} exited with code {c.proc.returncode}:\n{c.log_tail()}")
                 if c.name == "coordinator" and not c.alive:
                     raise JobFailed(f"the coordinator exited with code {c.proc.returncode}:\n{c.log_tail()}")

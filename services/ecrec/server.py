@@ -1,20 +1,24 @@
 """A parameter server process: a `ShardStore` served over gRPC, registered with the coordinator.
 
-`ParameterServicer` is the thin adapter: it decodes raw-byte tensors, checks epochs, maps errors to status
-codes (bad input -> INVALID_ARGUMENT, stale map -> FAILED_PRECONDITION, busy rows -> ABORTED), and records
-metrics. `GrpcPeers` is the store's window on the other servers; `ClusterView` keeps this process's copy of
+`ParameterServicer` is the thin adapter: it decodes raw-byte tensors, checks every field against the server's
+geometry and state before anything happens, checks epochs, maps errors to status codes (bad input ->
+INVALID_ARGUMENT, stale map or a request that does not fit the server's state -> FAILED_PRECONDITION, busy rows
+-> ABORTED, anything unexpected -> INTERNAL, logged once), and records metrics. An epoch is adopted only once
+the coordinator's published map confirms it. `GrpcPeers` is the store's window on the other servers; `ClusterView` keeps this process's copy of
 the cluster map, refreshed from the coordinator's heartbeat answers.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import signal
 import threading
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -23,12 +27,20 @@ import torch
 
 from ecrec import faults
 from ecrec.core.txn import DeltaBatch, RowsBusy
+from ecrec.core.update import parse_txn
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
-from ecrec.store import Busy, NotOwner, PeerFailed, ReadResult, ShardStore
-from ecrec.wire import InvalidRequest, bytes_to_floats, bytes_to_ids, floats_to_bytes, ids_to_bytes
+from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.wire import (
+    InvalidRequest,
+    bytes_to_floats,
+    bytes_to_ids,
+    check_finite,
+    floats_to_bytes,
+    ids_to_bytes,
+)
 
 log = logging.getLogger("ecrec.server")
 
@@ -43,6 +55,15 @@ class StaleEpoch(Exception):
     pass
 
 
+class WrongState(Exception):
+    """The request does not fit this server's state (e.g. Recover on a server that is not being rebuilt)."""
+
+
+def new_instance() -> str:
+    """An id for this process, unique across restarts: the coordinator tells processes of a shard apart by it."""
+    return uuid.uuid4().hex[:16]
+
+
 class ClusterView:
     """This process's copy of the cluster map (addresses and states by shard id)."""
 
@@ -51,6 +72,8 @@ class ClusterView:
         self.lock = threading.Lock()
         self.snapshot = snapshot or {"epoch": 0, "shards": []}
         self.http = httpx.Client(timeout=5.0) if coordinator else None
+        self._refresh_lock = threading.Lock()
+        self._refreshed_at = 0.0
 
     @property
     def epoch(self) -> int:
@@ -67,9 +90,26 @@ class ClusterView:
         if self.http is not None:
             self.update(self.http.get(f"{self.url}/cluster").json())
 
+    def confirm(self, epoch: int) -> bool:
+        """Is `epoch` published by the coordinator? Fetches the map if this view is behind, at most once per
+        50 ms however many requests ask (one fetch answers them all; a flood of made-up epochs costs the
+        coordinator 20 requests a second at most)."""
+        if epoch <= self.epoch:
+            return True
+        with self._refresh_lock:
+            if epoch <= self.epoch:
+                return True
+            if self.http is None or time.monotonic() - self._refreshed_at < 0.05:
+                return False
+            self._refreshed_at = time.monotonic()
+            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                self.refresh()
+            return epoch <= self.epoch
+
     def shard(self, s: int) -> dict:
         with self.lock:
-            return self.snapshot["shards"][s]
+            shards = self.snapshot["shards"]
+            return shards[s] if 0 <= s < len(shards) else {"state": "pending", "address": ""}
 
     def address(self, s: int) -> str:
         return self.shard(s)["address"]
@@ -210,25 +250,41 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
     )
 
 
+_logged_once: set[tuple[str, str]] = set()
+
+
 def rpc(method: str, check_epoch: bool = True):
-    """Servicer method wrapper: epoch check, error mapping and latency metric in one place."""
+    """Servicer method wrapper: epoch check, error mapping and latency metric in one place. No exception
+    escapes as UNKNOWN: what no rule expects is INTERNAL, logged with its traceback once per (method, type)."""
 
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(self: ParameterServicer, request, context: grpc.ServicerContext):
             m = self.metrics
+            left = context.time_remaining()
+            caller = Caller(time.monotonic() + left if left is not None else None, context.is_active)
+            token = CALLER.set(caller)
             with m.timed(method):
                 try:
                     self.observe_epoch(getattr(request, "epoch", 0), check_epoch)
                     return fn(self, request, context)
                 except InvalidRequest as e:
                     code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-                except (StaleEpoch, NotOwner) as e:
+                except (StaleEpoch, NotOwner, WrongState) as e:
                     code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
                 except (Busy, RowsBusy) as e:
                     code, msg = grpc.StatusCode.ABORTED, f"busy: {e}"
                 except PeerFailed as e:
                     code, msg = grpc.StatusCode.UNAVAILABLE, str(e)
+                except Cancelled as e:
+                    code, msg = grpc.StatusCode.CANCELLED, str(e)
+                except Exception as e:  # noqa: BLE001 - the edge: report, never crash or leak UNKNOWN
+                    code, msg = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+                    if (method, type(e).__name__) not in _logged_once:
+                        _logged_once.add((method, type(e).__name__))
+                        log.exception("%s: unexpected error (logged once per method and type)", method)
+                finally:
+                    CALLER.reset(token)
                 m.of(m.rpc_errors, method=method, code=code.name).inc()
                 context.abort(code, msg)
 
@@ -238,28 +294,70 @@ def rpc(method: str, check_epoch: bool = True):
 
 
 class ParameterServicer(pb_grpc.ParameterServerServicer):
-    def __init__(self, store: ShardStore, metrics: Metrics, view: ClusterView | None = None, epoch: int = 1):
+    def __init__(
+        self,
+        store: ShardStore,
+        metrics: Metrics,
+        view: ClusterView | None = None,
+        epoch: int = 1,
+        instance: str = "",
+    ):
         self.store, self.metrics = store, metrics
         self.view = view or ClusterView()
         self.store.epoch = epoch
+        self.instance = instance or new_instance()
 
     @property
     def epoch(self) -> int:
         return self.store.epoch
 
     def observe_epoch(self, epoch: int, check: bool) -> None:
+        """Reject a stale epoch; adopt a newer one only once the coordinator's map confirms it. A request
+        that claims an epoch the coordinator has not published is refused and its epoch never stored."""
         # 0 means "no epoch" (proto3 default): tools and tests that do not track the map.
         if not epoch:
             return
+        if epoch > self.store.epoch:
+            if not self.view.confirm(epoch):
+                raise StaleEpoch(
+                    f"epoch {epoch} is ahead of the coordinator's map (epoch {self.view.epoch}): refused"
+                )
+            self.store.epoch = max(self.store.epoch, self.view.epoch)
         if check and epoch < self.store.epoch:
             raise StaleEpoch(f"stale epoch {epoch}: the cluster map is at epoch {self.store.epoch}")
-        if epoch > self.store.epoch:
-            self.store.epoch = epoch
-            if epoch > self.view.epoch:  # someone knows a newer map: fetch it before acting on it
-                try:
-                    self.view.refresh()
-                except httpx.HTTPError:
-                    pass
+
+    # -- field checks (before anything happens) ---------------------------------------------------------
+    def _shard_id(self, s: int, what: str, *, other: bool = True) -> int:
+        if not 0 <= s < self.store.ctx.num_servers or (other and s == self.store.shard):
+            raise InvalidRequest(f"{what}: {s} is not {'another ' if other else 'a '}shard of this job")
+        return s
+
+    def _own_txn(self, txn: str, src: int | None = None) -> str:
+        """A part's txn id addressed to this server (and, given `src`, for rows of shard src)."""
+        try:
+            _step, target, tsrc, _attempt = parse_txn(txn)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if target != self.store.shard:
+            raise InvalidRequest(f"txn: {txn} is a part of server {target}, not of server {self.store.shard}")
+        if src is not None and tsrc != src:
+            raise InvalidRequest(f"txn: {txn} is for rows of shard {tsrc}, the request says {src}")
+        return txn
+
+    def _decision(self, txn: str, src: int) -> tuple[str, int]:
+        """A decision about (txn, src)'s deltas: src is the data server that staged the part."""
+        self._shard_id(src, "src")
+        try:
+            _step, target, tsrc, _attempt = parse_txn(txn)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if target != src or tsrc != -1:
+            raise InvalidRequest(f"txn: {txn} is not a part of data server {src}'s own rows")
+        return txn, src
+
+    def _two_pc(self) -> bool:
+        ec = self.store.ctx.spec.fault_tolerance
+        return ec.strategy == "ecrec" and ec.ecrec.two_phase_commit
 
     # -- foundation path -------------------------------------------------------------------------------
     @rpc("Pull")
@@ -273,6 +371,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("Push")
     def Push(self, request, context):
+        if self._two_pc():
+            raise WrongState("Push applies at once: with twoPhaseCommit updates are staged (Stage)")
         g = bytes_to_ids(request.ids)
         grads = bytes_to_floats(request.grads, g.numel(), self.store.dim, "grads")
         n = self.store.push(g, grads, request.txn)
@@ -287,6 +387,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("PushDense")
     def PushDense(self, request, context):
+        if self._two_pc():
+            raise WrongState("PushDense applies at once: with twoPhaseCommit updates are staged (Stage)")
         n = self.store.chunk_len(request.chunk)
         self.store.push_dense(request.chunk, bytes_to_floats(request.grads, n, 1, "grads"))
         return pb.DensePushResponse()
@@ -299,9 +401,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         payload = floats_to_bytes(recs)
         return pb.ReadRecordsResponse(records=payload, width=recs.shape[1], count=recs.shape[0])
 
+    @rpc("Info", check_epoch=False)
     def Info(self, request, context):
         s = self.store
         return pb.InfoResponse(
+            instance=self.instance,
             shard=s.shard,
             epoch=s.epoch,
             data_rows=s.num_rows,
@@ -316,10 +420,19 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     # -- ECRec -----------------------------------------------------------------------------------------
     @rpc("Stage")
     def Stage(self, request, context):
+        if request.src != -1:
+            self._shard_id(request.src, "src")
+        self._own_txn(request.txn, request.src)
         g = bytes_to_ids(request.ids)
         grads = bytes_to_floats(request.grads, g.numel(), self.store.dim, "grads")
         if len(request.dense_chunks) != len(request.dense_grads):
             raise InvalidRequest("dense_chunks and dense_grads differ in length")
+        if len(set(request.dense_chunks)) != len(request.dense_chunks):
+            raise InvalidRequest("dense_chunks: a chunk appears twice")
+        if request.dense_chunks and request.src != -1:
+            raise InvalidRequest(
+                "dense_chunks: dense chunks are staged at their replicas, not with acting rows"
+            )
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
@@ -330,11 +443,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("Commit", check_epoch=False)
     def Commit(self, request, context):
-        return pb.TxnResponse(outcome=self.store.commit(request.txn))
+        return pb.TxnResponse(outcome=self.store.commit(self._own_txn(request.txn)))
 
     @rpc("Abort", check_epoch=False)
     def Abort(self, request, context):
-        return pb.TxnResponse(outcome=self.store.abort(request.txn))
+        return pb.TxnResponse(outcome=self.store.abort(self._own_txn(request.txn)))
 
     def _batch(self, request) -> DeltaBatch:
         index, slot, version = (
@@ -346,23 +459,35 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         if slot.numel() != n or version.numel() != n:
             raise InvalidRequest("index, slot and version differ in length")
         delta = bytes_to_floats(request.delta, n, self.store.ctx.record_width, "delta").clone()
-        if n and (int(index.min()) < 0 or int(index.max()) >= self.store.parity.parity.shape[0]):
-            raise InvalidRequest("index: parity indices out of range")
-        if n and (int(slot.min()) < 0 or int(slot.max()) >= self.store.placement.k):
-            raise InvalidRequest("slot: out of range")
-        if not 0 <= request.src < self.store.ctx.num_servers:
-            raise InvalidRequest(f"src: no shard {request.src}")
-        return DeltaBatch(
+        if self.store.code.name != "xor":  # xor deltas are bit patterns; float deltas must be numbers
+            check_finite(delta, "delta")
+        if request.parity_server != self.store.shard:
+            raise InvalidRequest(
+                f"parity_server: batch for {request.parity_server} sent to {self.store.shard}"
+            )
+        batch = DeltaBatch(
             self.store.shard, request.txn, request.src, index.clone(), slot.clone(), delta, version.clone()
         )
+        self.store.check_deltas(batch)
+        return batch
 
     @rpc("Delta", check_epoch=False)
     def Delta(self, request, context):
+        if self._two_pc() or not request.immediate:
+            raise WrongState(
+                "Delta is the data server's message without 2PC; staged deltas come in StageDeltas"
+            )
         self.store.receive_deltas(self._batch(request), request.immediate)
         return pb.TxnResponse(outcome="staged" if not request.immediate else "applied")
 
     @rpc("StageDeltas")
     def StageDeltas(self, request, context):
+        if not self._two_pc():
+            raise WrongState("StageDeltas is part of the two-phase commit, which this job does not run")
+        for b in request.batches:
+            self._decision(b.txn, b.src)  # a part of data server src's own rows
+            if b.immediate:
+                raise InvalidRequest("immediate: staged deltas are applied on their decision")
         batches = [self._batch(b) for b in request.batches]  # all validated before any is staged
         self.store.stage_deltas(batches)
         m = self.metrics
@@ -371,13 +496,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("DecideDeltas", check_epoch=False)
     def DecideDeltas(self, request, context):
-        return pb.TxnResponse(outcome=self.store.decide_deltas(request.txn, request.src, request.commit))
+        txn, src = self._decision(request.txn, request.src)
+        return pb.TxnResponse(outcome=self.store.decide_deltas(txn, src, request.commit))
 
     def _decisions(self, decisions) -> list[tuple[str, int, bool]]:
-        for d in decisions:
-            if not 0 <= d.src < self.store.ctx.num_servers:
-                raise InvalidRequest(f"src: no shard {d.src}")
-        return [(d.txn, d.src, d.commit) for d in decisions]
+        return [(*self._decision(d.txn, d.src), d.commit) for d in decisions]  # all checked first
 
     @rpc("DecideMany", check_epoch=False)
     def DecideMany(self, request, context):
@@ -385,12 +508,14 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("Outcome", check_epoch=False)
     def Outcome(self, request, context):
-        return pb.TxnResponse(outcome=self.store.outcome(request.txn))
+        return pb.TxnResponse(outcome=self.store.outcome(self._own_txn(request.txn, -1)))
 
     @rpc("ReadRows", check_epoch=False)
     def ReadRows(self, request, context):
         if request.kind not in (pb.DATA, pb.PARITY):
             raise InvalidRequest("kind: ReadRows reads DATA or PARITY records")
+        if request.src != -1:
+            self._shard_id(request.src, "src", other=request.kind == pb.PARITY)
         index = bytes_to_ids(request.index, "index")
         res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src)
         resp = pb.ReadRowsResponse(records=floats_to_bytes(res.records), versions=ids_to_bytes(res.versions))
@@ -400,37 +525,65 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("DegradedPull")
     def DegradedPull(self, request, context):
+        self._shard_id(request.src, "src")
         g = bytes_to_ids(request.ids)
         rows = self.store.degraded_pull(request.src, g)
         m = self.metrics
         m.of(m.degraded_reads).inc(g.numel())
         return pb.PullResponse(rows=floats_to_bytes(rows))
 
+    def _recovering(self, shard: int, instance: str | None = None) -> bool:
+        """Does the coordinator's map say `shard` is being rebuilt (as process `instance`, if given)? The view
+        is fetched again once if it says otherwise: it may be a heartbeat behind."""
+        for attempt in range(2):
+            info = self.view.shard(shard)
+            if info.get("state") == "recovering" and instance in (None, info.get("instance")):
+                return True
+            if attempt == 0 and self.view.http is not None:
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                    self.view.refresh()
+        return False
+
     @rpc("Recover", check_epoch=False)
     def Recover(self, request, context):
+        """One step of the rebuild plan. Only on a replacement the coordinator's map shows under recovery,
+        for a range inside its table; a step already done is a no-op (0 rows)."""
         start = time.perf_counter()
         s = self.store
+        if request.kind not in KIND_NAMES:
+            raise InvalidRequest(f"kind: unknown record kind {request.kind}")
+        if not request.epoch:
+            raise InvalidRequest("epoch: Recover is sent under a cluster-map epoch")
+        if not s.replacement or not self._recovering(s.shard, self.instance):
+            raise WrongState(f"server {s.shard} ({self.instance}) is not a replacement under recovery")
+        if request.kind != pb.DENSE:
+            size = s.num_rows if request.kind == pb.DATA else s.parity.parity.shape[0]
+            if request.count < 1 or request.start >= size or request.start + request.count > size:
+                raise InvalidRequest(
+                    f"start/count: [{request.start}, {request.start + request.count}) is not a non-empty "
+                    f"range inside the {KIND_NAMES[request.kind]} table ({size} records)"
+                )
+            index = torch.arange(request.start, request.start + request.count, dtype=torch.int64)
         if request.kind == pb.DATA:
-            end = min(s.num_rows, request.start + request.count)
-            n = (
-                s.rebuild_rows(torch.arange(request.start, end, dtype=torch.int64))
-                if end > request.start
-                else 0
-            )
+            n = s.rebuild_rows(index)
             self.metrics.of(self.metrics.rows_recovered).inc(n)
         elif request.kind == pb.PARITY:
-            end = min(s.parity.parity.shape[0], request.start + request.count)
-            n = (
-                s.rebuild_parity(torch.arange(request.start, end, dtype=torch.int64))
-                if end > request.start
-                else 0
-            )
+            n = s.rebuild_parity(index)
         else:
             n = s.copy_dense()
         return pb.RecoverResponse(rows=n, seconds=time.perf_counter() - start)
 
     @rpc("CopyDense", check_epoch=False)
     def CopyDense(self, request, context):
+        """The surviving replica's side of a dense copy: only for a chunk whose other replica is a
+        replacement under recovery."""
+        holders = (
+            self.store.ctx.dense_holders(request.chunk) if request.chunk < self.store.ctx.num_servers else ()
+        )
+        others = [h for h in holders if h != self.store.shard]
+        self.store.chunk_len(request.chunk)  # held here, or INVALID_ARGUMENT
+        if not others or not self._recovering(others[0]):
+            raise WrongState(f"dense chunk {request.chunk} has no replica under recovery to copy to")
         recs, txns = self.store.serve_dense_copy(request.chunk, request.epoch)
         return pb.CopyDenseResponse(
             records=floats_to_bytes(recs), width=recs.shape[1], count=recs.shape[0], txns=txns
@@ -461,7 +614,7 @@ class StoreCollector:
         yield g
 
 
-def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 32) -> tuple[grpc.Server, int]:
+def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 64) -> tuple[grpc.Server, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS)
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     port = server.add_insecure_port(bind)
@@ -474,9 +627,9 @@ def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 32) -> tup
 class CoordinatorLink:
     """Registration and heartbeats of one server; exits the process if the coordinator disowns it."""
 
-    def __init__(self, url: str, shard: int, address: str, metrics_url: str, interval: float):
+    def __init__(self, url: str, shard: int, address: str, metrics_url: str, interval: float, instance: str):
         self.url, self.shard, self.address, self.metrics_url = url.rstrip("/"), shard, address, metrics_url
-        self.interval = interval
+        self.interval, self.instance = interval, instance
         self.http = httpx.Client(timeout=5.0)
 
     def register(self, replacement: bool, deadline_s: float = 60.0) -> dict:
@@ -488,10 +641,20 @@ class CoordinatorLink:
                     json={
                         "shard": self.shard,
                         "address": self.address,
+                        "instance": self.instance,
                         "metricsUrl": self.metrics_url,
                         "replacement": replacement,
                     },
                 )
+                if r.status_code == 409:
+                    # Refused: the process this one replaces may still answer for a moment (a pod being
+                    # terminated); ask again until the deadline, then give up and say why.
+                    detail = r.json().get("detail")
+                    if time.monotonic() > end:
+                        raise RuntimeError(f"registration refused: {detail}")
+                    log.warning("registration refused, asking again: %s", detail)
+                    time.sleep(1.0)
+                    continue
                 r.raise_for_status()
                 return r.json()
             except httpx.HTTPError:
@@ -508,6 +671,7 @@ class CoordinatorLink:
                     json={
                         "shard": self.shard,
                         "address": self.address,
+                        "instance": self.instance,
                         "epoch": store.epoch,
                         "recovered": store.replacement and store.recovery_done(),
                     },
@@ -533,7 +697,7 @@ class CoordinatorLink:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ecrec-server")
-    ap.add_argument("--job", required=True, help="job JSON file ({name, spec})")
+    ap.add_argument("--job", required=True, help="job JSON file ({name, spec}), or env:VAR")
     ap.add_argument("--shard", type=int, required=True)
     ap.add_argument("--coordinator", default="", help="coordinator base URL")
     ap.add_argument("--standalone", action="store_true", help="serve without a coordinator (benchmarks)")
@@ -546,6 +710,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--advertise", default="", help="address clients should dial (default: the bind address)")
     ap.add_argument("--metrics-port", type=int, default=0)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
+    ap.add_argument("--instance", default="", help="this process's id (default: a new random one)")
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s server-{args.shard} %(levelname)s %(message)s"
@@ -553,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
     faults.configure(f"server-{args.shard}")
-    ctx = JobContext.from_file(args.job)
+    ctx = JobContext.load(args.job)
     torch.set_num_threads(ctx.spec.servers.threads)
     t0 = time.perf_counter()
     metrics = Metrics(ctx.name, "server", str(args.shard))
@@ -565,7 +730,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     metrics.registry.register(StoreCollector(store, metrics.labels))
     metrics_port = metrics.serve(args.metrics_port, args.metrics_addr)
-    servicer = ParameterServicer(store, metrics, view)
+    servicer = ParameterServicer(store, metrics, view, instance=args.instance or new_instance())
     server, port = start_grpc(servicer, args.bind)
     host = args.bind.rsplit(":", 1)[0]
     address = args.advertise or f"{host}:{port}"
@@ -592,8 +757,14 @@ def main(argv: list[str] | None = None) -> None:
             address,
             metrics_url,
             ctx.spec.coordinator.heartbeat_interval_seconds,
+            servicer.instance,
         )
-        body = link.register(args.replacement)
+        try:
+            body = link.register(args.replacement)
+        except RuntimeError as e:
+            log.error("%s", e)
+            server.stop(grace=0)
+            raise SystemExit(2) from e
         view.update(body["cluster"])
         store.epoch = int(body["epoch"])
         threading.Thread(target=link.heartbeat_forever, args=(servicer, stop), daemon=True).start()

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLo
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
 from ecrec.model import init_dense, init_embedding_rows
+from ecrec.rebuild_error import Tap
 from ecrec.wire import InvalidRequest, check_finite
 
 INIT_BLOCK_ROWS = 1 << 18  # initialize tables in blocks to bound the temporaries of the hash init
@@ -33,6 +35,26 @@ CONSISTENT_READ_TRIES = 200
 # locked by a recovery lock group are waited for up to wait_timeout (the group finishes on its own).
 ROW_LOCK_WAIT = 0.05
 REBUILD_TXN = "recovery:"
+# Requests allowed to wait at once (for busy rows, undecided deltas, a dense copy). Past that a request that
+# would wait answers Busy at once, so that waiting requests, however many arrive, hold a bounded share of the
+# server's threads and the rest keep answering.
+MAX_WAITING = 16
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The request being served on this thread: how long its caller still waits, and whether it still does
+    (set by the gRPC adapter). A wait for busy state never outlives its caller."""
+
+    deadline: float | None  # time.monotonic() by which the caller gives up; None = no deadline
+    active: Callable[[], bool] = lambda: True
+
+
+CALLER: ContextVar[Caller | None] = ContextVar("ecrec_caller", default=None)
+
+
+class Cancelled(Exception):
+    """The caller gave up (deadline passed or cancelled) while the request waited."""
 
 
 @dataclass
@@ -148,6 +170,7 @@ class ShardStore:
         self.rows = DataParticipant(
             shard, p, self.code, self.opt, data, torch.zeros(self.num_rows, dtype=torch.int64)
         )
+        self.tap = Tap.from_env(shard, self.rows)  # None unless `ecrec local --rebuild-error` asked for it
         self.row_ready = torch.full((self.num_rows,), not replacement, dtype=torch.bool)
         # -- parity records -----------------------------------------------------------------------------
         n_par = p.parity_rows_on(shard) if p.r else 0
@@ -183,6 +206,7 @@ class ShardStore:
             self.dense_log[c] = OrderedDict()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
+        self.waiting = 0  # requests in _wait now (bounded by MAX_WAITING)
 
     @property
     def data(self) -> torch.Tensor:
@@ -232,18 +256,31 @@ class ShardStore:
         check_finite(grads, "grads")
 
     def _wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
-        """Wait (holding self.lock on return) until ready(); Busy after `timeout` (default wait_timeout)."""
+        """Wait (holding self.lock on return) until ready(); Busy after `timeout` (default wait_timeout).
+
+        Bounded harm: the wait ends when the caller stops waiting for the answer (its deadline, a
+        cancellation), and at most MAX_WAITING requests wait at once."""
+        if ready():
+            return
+        if self.waiting >= MAX_WAITING:
+            raise Busy(f"{what}: {self.waiting} requests are waiting already")
         timeout = self.wait_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        waited = False
-        while not ready():
-            waited = True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Busy(f"{what}: still busy after {timeout:.2f}s")
-            self.cond.wait(timeout=min(left, 0.1))
-        if waited:
-            self.stats["buffered"] += 1
+        caller = CALLER.get()
+        if caller is not None and caller.deadline is not None:
+            deadline = min(deadline, caller.deadline)
+        self.waiting += 1
+        try:
+            while not ready():
+                if caller is not None and not caller.active():
+                    raise Cancelled(f"{what}: the caller stopped waiting")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Busy(f"{what}: still busy after {timeout:.2f}s")
+                self.cond.wait(timeout=min(left, 0.1))
+        finally:
+            self.waiting -= 1
+        self.stats["buffered"] += 1
 
     def _chunk(self, chunk: int) -> torch.Tensor:
         if chunk not in self.dense:
@@ -375,11 +412,15 @@ class ShardStore:
             consistent = (mvers == pver).all(dim=1)
             members[slot, torch.arange(rows.numel())] = 0.0
             decoded = self.code.decode(par, members)
+            if not self.code.exact:  # rounding may leave state outside its domain (docs/protocol.md)
+                decoded = self.opt.project(decoded, self.dim)
             ok = consistent.nonzero().squeeze(1)
             out[todo[ok]] = decoded[ok]
             vers[todo[ok]] = pver[ok, slot[ok]]
             todo = todo[~consistent]
             if todo.numel() == 0:
+                if self.tap is not None:
+                    self.tap.decoded(src, local, vers, out)
                 return out, vers
             time.sleep(0.002)  # a commit is between a member and its parity server: read again
         raise Busy(f"could not read a consistent cut of {todo.numel()} stripes")
@@ -611,8 +652,6 @@ class ShardStore:
         worker to deliver to the parity servers (nothing is sent from here). The worker's decisions about
         earlier parts, for which this server is a parity server, ride along: they are applied first, before
         this stage can wait for anything that might be waiting for them."""
-        if decisions:
-            self.decide_many(list(decisions))
         src = self.shard if src < 0 else src
         local = self.local_rows(g, src)
         self._check_grads(grads, local.numel())
@@ -621,6 +660,8 @@ class ShardStore:
             if dg.shape != (self.chunk_len(c),):
                 raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
             check_finite(dg, "dense_grads")
+        if decisions:  # checked above; applied before this stage can wait for anything
+            self.decide_many(list(decisions))
         if src != self.shard:
             return Staged(self._stage_acting(txn, src, local, grads), [])
         self.ensure_rows(local)
@@ -735,9 +776,13 @@ class ShardStore:
             return "unknown"
 
     def abort(self, txn: str) -> str:
+        """Undo a staged part. A txn this server never staged answers "unknown" and leaves no trace: a
+        stray abort must not decide the fate of a part that has not arrived yet."""
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
+            if txn not in self.acting_staged and txn not in self.rows.staged and txn not in self.dense_staged:
+                return "unknown"
             acting = self.acting_staged.pop(txn, None)
             if acting is not None:
                 self.parity.abort(txn, acting[0])
@@ -762,7 +807,7 @@ class ShardStore:
         """A parity server's side of a decision about (txn, src)'s staged deltas."""
         with self.lock:
             cache = self.acting_cache.get(src)
-            if cache is not None and commit:
+            if cache is not None and commit and (txn, src) in self.parity.staged:
                 # A dead server's own update committed on its behalf changes its lost rows: forget them.
                 k = self.placement.k
                 for t, idx, slot in self.parity.staged_members(src):
@@ -778,13 +823,31 @@ class ShardStore:
         """Deltas of another server's rows (from the worker, or from the data server without 2PC)."""
         self.stage_deltas([batch], immediate)
 
+    def check_deltas(self, b: DeltaBatch) -> None:
+        """A delta batch must come from a data shard whose parity this server holds, for the parity indices
+        and stripe slots that placement gives that shard's rows here."""
+        p, n = self.placement, self.ctx.num_servers
+        if b.parity_server != self.shard or b.src == self.shard or not 0 <= b.src < n:
+            raise InvalidRequest(
+                f"deltas: batch for server {b.parity_server} from {b.src} sent to {self.shard}"
+            )
+        if b.index.numel() == 0:
+            return
+        if int(b.index.min()) < 0 or int(b.index.max()) >= self.parity.parity.shape[0]:
+            raise InvalidRequest("index: parity indices out of range")
+        if int(b.slot.min()) < 0 or int(b.slot.max()) >= p.k:
+            raise InvalidRequest(f"slot: stripe slots are in [0, {p.k})")
+        if int(b.version.min()) < 1:
+            raise InvalidRequest("version: a delta takes its row to version 1 or later")
+        shards, _locs, present = p.stripe_members(self.shard, b.index)
+        rows = torch.arange(b.index.numel())
+        if not bool(((shards[rows, b.slot] == b.src) & present[rows, b.slot]).all()):
+            raise InvalidRequest(f"index: not parity records of shard {b.src}'s rows on server {self.shard}")
+
     def stage_deltas(self, batches: list[DeltaBatch], immediate: bool = False) -> None:
         """Stage (or, without 2PC, apply) deltas of other servers' rows."""
-        for b in batches:
-            if b.parity_server != self.shard or b.src == self.shard:
-                raise InvalidRequest(
-                    f"deltas: batch for server {b.parity_server} from {b.src} sent to {self.shard}"
-                )
+        for b in batches:  # all checked before any is staged
+            self.check_deltas(b)
         with self.lock:
             now = self.clock()
             for b in batches:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ecrec import faults
-from ecrec.client import Pending, PSClient, ServerUnavailable
+from ecrec.client import Pending, PSClient, ServerUnavailable, Stalled
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
@@ -60,8 +62,9 @@ class Trainer:
         self.offsets = ctx.table_offsets
         self.updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="update")
 
-    def step(self, batch: Batch) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pull, forward, backward. Returns (loss, unique row ids, their gradients, flat dense gradient)."""
+    def step(self, batch: Batch, index: int) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pull, forward, backward. Returns (loss, unique row ids, their gradients, flat dense gradient);
+        raises NonFiniteStep if the loss or a gradient is NaN or Inf (`index` names the step)."""
         ctx, dev = self.ctx, self.device
         B, T = batch.ids.shape
         g = (batch.ids + self.offsets).reshape(-1)
@@ -78,7 +81,9 @@ class Trainer:
         row_grads = torch.zeros(uniq.numel(), ctx.dim, device=dev).index_add_(
             0, inv.to(dev), sparse.grad.view(B * T, ctx.dim)
         )
-        return float(loss.detach()), uniq, row_grads, flatten_dense_grad(self.model)
+        value, dense_grad = float(loss.detach()), flatten_dense_grad(self.model)
+        check_finite_step(index, value, uniq, rows, row_grads, dense_grad)
+        return value, uniq, row_grads, dense_grad
 
     def push(self, uniq: torch.Tensor, row_grads: torch.Tensor, dense_grad: torch.Tensor, txn: str):
         """Send the update. Returns something with .wait(): the foundation's Pending RPCs, or, with ECRec, a
@@ -89,6 +94,42 @@ class Trainer:
                 self.updater.submit(self.client.apply_update, txn, uniq, row_grads, dense_grad)
             )
         return _Both(self.client.push_rows(uniq, row_grads, txn), self.client.push_dense(dense_grad, txn))
+
+
+class NonFiniteStep(RuntimeError):
+    """A step's loss or gradients are NaN or Inf: nothing is pushed, and the job fails with this one line."""
+
+
+def check_finite_step(
+    index: int,
+    loss: float,
+    uniq: torch.Tensor,
+    rows: torch.Tensor,
+    row_grads: torch.Tensor,
+    dense_grad: torch.Tensor,
+) -> None:
+    """Raise NonFiniteStep naming the step, the loss and the rows whose gradients (or pulled values, the
+    usual cause: the servers hold a non-finite row) are not finite. A cheap check: one pass over each."""
+    bad_grads = ~torch.isfinite(row_grads).all(dim=1).cpu()
+    bad_dense = not bool(torch.isfinite(dense_grad).all())
+    if math.isfinite(loss) and not bool(bad_grads.any()) and not bad_dense:
+        return
+    what = [] if math.isfinite(loss) else [f"loss ({loss})"]
+    if bool(bad_grads.any()):
+        what.append(f"gradients of {_ids(uniq[bad_grads])}")
+    if bad_dense:
+        what.append("dense gradients")
+    pulled = ~torch.isfinite(rows).all(dim=1).cpu()
+    cause = f"; pulled non-finite: {_ids(uniq[pulled])}" if bool(pulled.any()) else ""
+    raise NonFiniteStep(f"step {index}: non-finite {', '.join(what)}{cause}; nothing was pushed")
+
+
+def _ids(g: torch.Tensor, show: int = 8) -> str:
+    """'3 rows (global ids 5, 17, 95)', the first `show` ids and how many more."""
+    ids = ", ".join(str(i) for i in g[:show].tolist())
+    more = f", ... {g.numel() - show} more" if g.numel() > show else ""
+    s = "" if g.numel() == 1 else "s"
+    return f"{g.numel()} row{s} (global id{s} {ids}{more})"
 
 
 class _Both:
@@ -111,8 +152,9 @@ class _FutureWait:
 class ProgressReporter:
     """Posts this worker's counters to the coordinator every `interval` seconds, off the training thread."""
 
-    def __init__(self, http: httpx.Client, url: str, rank: int, interval: float = 0.5):
+    def __init__(self, http: httpx.Client, url: str, rank: int, instance: str, interval: float = 0.5):
         self.http, self.url, self.rank, self.interval = http, url, rank, interval
+        self.instance = instance
         self.step = self.samples = 0
         self.loss: float | None = None
         self.last_step_at: float | None = None
@@ -125,9 +167,10 @@ class ProgressReporter:
     def _post(self, done: bool = False, error: str | None = None) -> None:
         body = {
             "rank": self.rank,
+            "instance": self.instance,
             "step": self.step,
             "samples": self.samples,
-            "loss": self.loss,
+            "loss": self.loss if self.loss is None or math.isfinite(self.loss) else None,  # JSON has no NaN
             "done": done,
             "error": error,
             "lastStepAt": self.last_step_at,
@@ -147,7 +190,18 @@ class ProgressReporter:
         self._post(done=error is None, error=error)
 
 
-def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -> None:
+def run_worker(
+    ctx: JobContext,
+    rank: int,
+    coordinator: str,
+    metrics: Metrics,
+    instance: str,
+    incarnation: int = 1,
+    replacement: bool = False,
+) -> None:
+    """Train rank `rank`'s steps. A replacement (a later incarnation of a rank whose process was lost) resumes
+    at the step where the coordinator's record of its predecessor's progress ends: steps the predecessor
+    completed after its last report are trained again (at least once, not exactly once)."""
     spec = ctx.spec
     workers = spec.workers.replicas
     threads = spec.workers.threads or max(1, (os.cpu_count() or 1) // (workers + spec.servers.replicas))
@@ -157,22 +211,32 @@ def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -
         torch.use_deterministic_algorithms(True, warn_only=True)
     http = httpx.Client(timeout=10.0)
     url = coordinator.rstrip("/")
-    http.post(f"{url}/v1/workers/register", json={"rank": rank}).raise_for_status()
+    r = http.post(
+        f"{url}/v1/workers/register",
+        json={"rank": rank, "instance": instance, "incarnation": incarnation, "replacement": replacement},
+    )
+    if r.status_code == 409:
+        log.error("registration refused: %s", r.json().get("detail"))
+        raise SystemExit(2)
+    r.raise_for_status()
     while not http.get(f"{url}/v1/workers/start").json()["started"]:
         time.sleep(0.05)
     cluster = http.get(f"{url}/cluster").json()
     client = PSClient(ctx, cluster, metrics, coordinator=url)
     trainer = Trainer(ctx, client, device)
     data = data_source(ctx)
-    reporter = ProgressReporter(http, url, rank)
+    resume = r.json().get("resume") or {"step": 0, "samples": 0}
+    reporter = ProgressReporter(http, url, rank, instance)
+    reporter.step, reporter.samples = int(resume["step"]), int(resume["samples"])
     reporter.start()
     in_flight = None
     B = spec.training.batch_size
     try:
-        for step in range(spec.training.steps):
+        for step in range(int(resume["step"]), spec.training.steps):
             batch = data.batch(step * workers + rank, B)
-            txn = f"w{rank}-{step}"
-            loss, uniq, row_grads, dense_grad = trainer.step(batch)
+            # A replacement's steps get their own ids: its predecessor may have staged or applied the same step.
+            txn = f"w{rank}-{step}" if incarnation == 1 else f"w{rank}i{incarnation}-{step}"
+            loss, uniq, row_grads, dense_grad = trainer.step(batch, step)
             if in_flight is not None:  # at most one update in flight: wait for the previous step's
                 in_flight.wait()
             in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
@@ -186,9 +250,13 @@ def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -
         if in_flight is not None:
             in_flight.wait()
         client.flush_decisions()  # the last step's decisions had no next step to ride on
-    except ServerUnavailable as e:
+    except (ServerUnavailable, Stalled, NonFiniteStep) as e:  # the reason names the server / step and rows
         log.error("%s", e)
         reporter.finish(error=str(e))
+        raise SystemExit(1) from e
+    except Exception as e:
+        log.exception("worker %d failed", rank)
+        reporter.finish(error=f"{type(e).__name__}: {e}")
         raise SystemExit(1) from e
     reporter.finish()
     log.info("worker %d finished %d steps on %s", rank, spec.training.steps, device)
@@ -196,11 +264,18 @@ def run_worker(ctx: JobContext, rank: int, coordinator: str, metrics: Metrics) -
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ecrec-worker")
-    ap.add_argument("--job", required=True)
+    ap.add_argument("--job", required=True, help="job JSON file ({name, spec}), or env:VAR")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--metrics-port", type=int, default=0)
     ap.add_argument("--metrics-addr", default="127.0.0.1")
+    ap.add_argument("--instance", default="", help="this process's id (default: a new random one)")
+    ap.add_argument(
+        "--incarnation", type=int, default=1, help="1 for the rank's first process, +1 per replacement"
+    )
+    ap.add_argument(
+        "--replacement", action="store_true", help="resume a lost process's rank (set by the launcher)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO,
@@ -209,10 +284,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     faults.configure(f"worker-{args.rank}")
-    ctx = JobContext.from_file(args.job)
+    ctx = JobContext.load(args.job)
     metrics = Metrics(ctx.name, "worker", "")
     metrics.serve(args.metrics_port, args.metrics_addr)
-    run_worker(ctx, args.rank, args.coordinator, metrics)
+    run_worker(
+        ctx,
+        args.rank,
+        args.coordinator,
+        metrics,
+        args.instance or uuid.uuid4().hex[:16],
+        args.incarnation,
+        args.replacement,
+    )
 
 
 if __name__ == "__main__":

@@ -4,12 +4,30 @@ The coordinator owns one `ClusterMap`; servers register and heartbeat, workers a
 failures, and `tick(now)` turns silent servers into failed ones. Every change that a client must see (a
 shard failing, a replacement registering at a new address, a recovery finishing) bumps the epoch, so a
 request built on an older map is rejected by servers and retried on the new one.
+
+Every process that registers names itself with an `instance` id, unique per process. A registration or
+heartbeat that does not fit the map is refused (`Refused`) and changes nothing: a second process for a shard
+whose registered process still answers, a process of a superseded incarnation, a first process that claims to
+be a replacement. Whether the registered process still answers is a probe, which is I/O: `register` raises
+`ProbeFirst` and the caller probes and calls again with `confirmed_dead=True`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+
+class Refused(ValueError):
+    """A request that does not fit the map's current state; nothing was changed."""
+
+
+class ProbeFirst(Exception):
+    """The shard's registered process must be probed before a new one may take its place."""
+
+    def __init__(self, shard: int, address: str, instance: str):
+        super().__init__(f"shard {shard}: probe {address} ({instance}) first")
+        self.shard, self.address, self.instance = shard, address, instance
 
 
 class ShardState(str, enum.Enum):
@@ -26,6 +44,8 @@ class ShardInfo:
     address: str = ""
     metrics_url: str = ""
     incarnation: int = 0  # how many processes have registered under this shard id
+    instance: str = ""  # the registered process's own id (unique per process)
+    superseded: dict[str, int] = field(default_factory=dict)  # instances of earlier incarnations
     last_heartbeat: float = 0.0
     failed_at: float | None = None
 
@@ -36,6 +56,7 @@ class ShardInfo:
             "address": self.address,
             "metricsUrl": self.metrics_url,
             "incarnation": self.incarnation,
+            "instance": self.instance,
         }
 
 
@@ -71,30 +92,80 @@ class ClusterMap:
     def ready(self) -> bool:
         return all(s.state is ShardState.UP for s in self.shards)
 
-    def register(self, shard: int, address: str, now: float, metrics_url: str = "") -> list[Transition]:
+    def register(
+        self,
+        shard: int,
+        address: str,
+        now: float,
+        metrics_url: str = "",
+        *,
+        instance: str,
+        replacement: bool = False,
+        confirmed_dead: bool = False,
+    ) -> list[Transition]:
+        """A process registers under `shard`. Refused if it does not fit (see the module docstring); raises
+        ProbeFirst while the shard's registered process has not been confirmed dead."""
         info = self._check_shard(shard)
-        info.incarnation += 1
-        info.address, info.metrics_url, info.last_heartbeat = address, metrics_url, now
+        if not instance:
+            raise Refused("instance: a registering process must name itself")
+        if instance == info.instance:  # the same process again (its first answer was lost): no change
+            if address != info.address:
+                raise Refused(f"instance {instance} is registered for shard {shard} at {info.address}")
+            return []
+        if instance in info.superseded:
+            raise Refused(
+                f"instance {instance} is incarnation {info.superseded[instance]} of shard {shard}, "
+                f"superseded by incarnation {info.incarnation}"
+            )
         if info.state is ShardState.PENDING:
+            if replacement:
+                raise Refused(f"shard {shard} never registered: its first process must not be a replacement")
+            self._admit(info, address, instance, metrics_url, now)
             info.state = ShardState.UP
             return [Transition("registered", shard, self.epoch, now)]
-        # A new process under a known shard id: whatever it replaced is gone, and it starts empty.
-        if info.state is ShardState.UP:
-            # The old process died without being noticed (it restarted faster than the failure timeout).
+        if not replacement:
+            raise Refused(
+                f"shard {shard} registered before (incarnation {info.incarnation}): "
+                "a new process must start empty, as a replacement"
+            )
+        transitions: list[Transition] = []
+        if info.state in (ShardState.UP, ShardState.RECOVERING):
+            # The registered process has not been declared dead: a replacement may take its place only if
+            # it no longer answers (it died faster than the failure timeout), never while it serves.
+            if not confirmed_dead:
+                raise ProbeFirst(shard, info.address, info.instance)
             transitions = self._fail(info, now)
-        else:
-            transitions = []
+        self._admit(info, address, instance, metrics_url, now)
         info.state = ShardState.RECOVERING if self.recoverable else ShardState.UP
         self.epoch += 1
         return [*transitions, Transition("replacement_registered", shard, self.epoch, now)]
 
-    def heartbeat(self, shard: int, address: str, now: float) -> bool:
+    def _admit(self, info: ShardInfo, address: str, instance: str, metrics_url: str, now: float) -> None:
+        if info.instance:
+            info.superseded[info.instance] = info.incarnation
+        info.incarnation += 1
+        info.address, info.instance, info.metrics_url, info.last_heartbeat = (
+            address,
+            instance,
+            metrics_url,
+            now,
+        )
+
+    def heartbeat(self, shard: int, address: str, now: float, instance: str = "") -> bool:
         """Record a heartbeat; False tells the sender it is not (or no longer) the registered process."""
         info = self._check_shard(shard)
-        if info.address != address or info.state in (ShardState.FAILED, ShardState.PENDING):
+        if (
+            info.address != address
+            or info.instance != instance
+            or info.state in (ShardState.FAILED, ShardState.PENDING)
+        ):
             return False
         info.last_heartbeat = now
         return True
+
+    def lost(self) -> list[int]:
+        """Shards whose data is not whole: failed, or replaced and not yet rebuilt."""
+        return [s.shard for s in self.shards if s.state in (ShardState.FAILED, ShardState.RECOVERING)]
 
     def report_failure(self, shard: int, now: float) -> list[Transition]:
         """A client saw the shard fail (RPC unavailable). The caller should confirm it first (a probe)."""

@@ -108,6 +108,22 @@ class Placement:
         locs = index.view(-1, 1) * self.k + i.view(1, -1)
         return shards, locs, locs < self._rows_on_t(shards)
 
+    def stripes_lost(self, lost: list[int] | set[int]) -> int:
+        """Stripes with more than r of their members (real data rows or parity records) on `lost` servers:
+        no decode can bring those back. Stripe σ spans servers (σ + m) mod N, m = 0 .. k+r-1."""
+        lost_t = torch.zeros(self.num_servers, dtype=torch.bool)
+        lost_t[list(lost)] = True
+        sigma = torch.arange(self.num_stripes(), dtype=torch.int64)
+        if sigma.numel() == 0 or int(lost_t.sum()) <= self.r:
+            return 0
+        m = torch.arange(self.k + self.r, dtype=torch.int64)
+        servers = torch.remainder(sigma.view(-1, 1) + m.view(1, -1), self.num_servers)
+        # data slot i lives at local row (σ div N)·k + i, which may be padding in the last block
+        present = torch.ones_like(servers, dtype=torch.bool)
+        locs = torch.div(sigma, self.num_servers, rounding_mode="floor").view(-1, 1) * self.k + m[: self.k]
+        present[:, : self.k] = locs < self._rows_on_t(servers[:, : self.k])
+        return int(((lost_t[servers] & present).sum(dim=1) > self.r).sum())
+
     # -- grouping ---------------------------------------------------------------------------------------
     @staticmethod
     def _group(keys: torch.Tensor, values: torch.Tensor) -> Groups:

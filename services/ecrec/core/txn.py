@@ -15,6 +15,7 @@ Everything here is plain torch on tensors handed in by the caller; the caller ho
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,8 @@ class DataParticipant:
     versions: torch.Tensor  # [L] int64
     locks: RowLocks = field(init=False)
     staged: dict[str, StagedPart] = field(default_factory=dict)
+    # Told the rows of each commit once their versions advanced (the rebuild-error report's reference run).
+    on_commit: Callable[[torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         self.locks = RowLocks(self.records.shape[0])
@@ -146,6 +149,8 @@ class DataParticipant:
         self.records[part.rows] = part.new
         self.versions[part.rows] += 1
         self.locks.unlock(txn)
+        if self.on_commit is not None:
+            self.on_commit(part.rows)
         return part.rows
 
     def abort(self, txn: str) -> StagedPart | None:
@@ -222,9 +227,13 @@ class ParityParticipant:
         return "committed"
 
     def abort(self, txn: str, src: int) -> str:
+        """Drop the deltas of (txn, src). Deltas never staged answer "unknown" and leave no trace (a stray
+        abort must not make this server ignore deltas that arrive later and are committed)."""
         key = (txn, src)
         if key in self.resolved:
             return self.resolved[key]
+        if key not in self.staged:
+            return "unknown"
         self.staged.pop(key, None)
         self.staged_at.pop(key, None)
         self._resolve(key, "aborted")

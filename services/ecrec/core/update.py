@@ -15,12 +15,26 @@ step is harmless (ShardStore.stage skips steps in its copy log), so erring towar
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ecrec.core.placement import Placement
+
+_TXN = re.compile(r"([^/\s]{1,64})/(\d{1,6})\.(-1|\d{1,6})\.(\d{1,9})")
+
+
+def parse_txn(txn: str) -> tuple[str, int, int, int]:
+    """(step, target, src, attempt) of a part's txn id "<step>/<target>.<src>.<attempt>" (see
+    StepUpdate.plan); ValueError if `txn` is not of that form."""
+    m = _TXN.fullmatch(txn)
+    if m is None:
+        raise ValueError(
+            f"txn: {txn[:80]!r} is not a part of a worker step (<step>/<target>.<src>.<attempt>)"
+        )
+    return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
 @dataclass

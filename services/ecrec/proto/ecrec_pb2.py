@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x63rec/proto/ecrec.proto\x12\x08\x65\x63rec.v1\")\n\x0bPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"\x1c\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\"E\n\x0bPushRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12\x0b\n\x03txn\x18\x04 \x01(\t\"\x1f\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\"0\n\x10\x44\x65nsePullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"#\n\x11\x44\x65nsePullResponse\x12\x0e\n\x06values\x18\x01 \x01(\x0c\"L\n\x10\x44\x65nsePushRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12\x0b\n\x03txn\x18\x04 \x01(\t\"\x13\n\x11\x44\x65nsePushResponse\"t\n\x12ReadRecordsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05\x63hunk\x18\x05 \x01(\r\"D\n\x13ReadRecordsResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\r\n\x0bInfoRequest\"\xb1\x01\n\x0cInfoResponse\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tdata_rows\x18\x03 \x01(\x04\x12\x13\n\x0bparity_rows\x18\x04 \x01(\x04\x12\x14\n\x0crecord_width\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65nse_chunks\x18\x06 \x03(\r\x12\r\n\x05state\x18\x07 \x01(\t\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x0e\n\x06staged\x18\t \x01(\x04\"\xaa\x01\n\x0cStageRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\r\n\x05grads\x18\x04 \x01(\x0c\x12\x0b\n\x03src\x18\x05 \x01(\x05\x12\x14\n\x0c\x64\x65nse_chunks\x18\x06 \x03(\r\x12\x13\n\x0b\x64\x65nse_grads\x18\x07 \x03(\x0c\x12*\n\tdecisions\x18\x08 \x03(\x0b\x32\x17.ecrec.v1.DeltaDecision\"G\n\rStageResponse\x12\x0e\n\x06staged\x18\x01 \x01(\x04\x12&\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x16.ecrec.v1.DeltaRequest\"L\n\x12StageDeltasRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07\x62\x61tches\x18\x02 \x03(\x0b\x32\x16.ecrec.v1.DeltaRequest\"M\n\x10\x44\x65\x63isionsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12*\n\tdecisions\x18\x02 \x03(\x0b\x32\x17.ecrec.v1.DeltaDecision\"%\n\x11\x44\x65\x63isionsResponse\x12\x10\n\x08outcomes\x18\x01 \x03(\t\"(\n\nTxnRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\"\x1e\n\x0bTxnResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\"\xb3\x01\n\x0c\x44\x65ltaRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03src\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x0c\x12\x0c\n\x04slot\x18\x05 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x0c\x12\x0f\n\x07version\x18\x07 \x01(\x0c\x12\x11\n\timmediate\x18\x08 \x01(\x08\x12\x13\n\x0bparity_slot\x18\t \x01(\r\x12\x15\n\rparity_server\x18\n \x01(\x05\"H\n\rDeltaDecision\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03src\x18\x03 \x01(\x05\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"`\n\x0fReadRowsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05index\x18\x03 \x01(\x0c\x12\x0b\n\x03src\x18\x04 \x01(\x05\"D\n\x10ReadRowsResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\x10\n\x08versions\x18\x02 \x01(\x0c\x12\r\n\x05ready\x18\x03 \x01(\x0c\">\n\x13\x44\x65gradedPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\"a\n\x0eRecoverRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"0\n\x10\x43opyDenseRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"P\n\x11\x43opyDenseResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0c\n\x04txns\x18\x04 \x03(\t\"0\n\x0fRecoverResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01*-\n\nRecordKind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\n\n\x06PARITY\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\x80\t\n\x0fParameterServer\x12\x35\n\x04Pull\x12\x15.ecrec.v1.PullRequest\x1a\x16.ecrec.v1.PullResponse\x12\x35\n\x04Push\x12\x15.ecrec.v1.PushRequest\x1a\x16.ecrec.v1.PushResponse\x12\x44\n\tPullDense\x12\x1a.ecrec.v1.DensePullRequest\x1a\x1b.ecrec.v1.DensePullResponse\x12\x44\n\tPushDense\x12\x1a.ecrec.v1.DensePushRequest\x1a\x1b.ecrec.v1.DensePushResponse\x12J\n\x0bReadRecords\x12\x1c.ecrec.v1.ReadRecordsRequest\x1a\x1d.ecrec.v1.ReadRecordsResponse\x12\x35\n\x04Info\x12\x15.ecrec.v1.InfoRequest\x1a\x16.ecrec.v1.InfoResponse\x12\x38\n\x05Stage\x12\x16.ecrec.v1.StageRequest\x1a\x17.ecrec.v1.StageResponse\x12\x35\n\x06\x43ommit\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x34\n\x05\x41\x62ort\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x36\n\x05\x44\x65lta\x12\x16.ecrec.v1.DeltaRequest\x1a\x15.ecrec.v1.TxnResponse\x12>\n\x0c\x44\x65\x63ideDeltas\x12\x17.ecrec.v1.DeltaDecision\x1a\x15.ecrec.v1.TxnResponse\x12\x42\n\x0bStageDeltas\x12\x1c.ecrec.v1.StageDeltasRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x45\n\nDecideMany\x12\x1a.ecrec.v1.DecisionsRequest\x1a\x1b.ecrec.v1.DecisionsResponse\x12\x36\n\x07Outcome\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x41\n\x08ReadRows\x12\x19.ecrec.v1.ReadRowsRequest\x1a\x1a.ecrec.v1.ReadRowsResponse\x12\x45\n\x0c\x44\x65gradedPull\x12\x1d.ecrec.v1.DegradedPullRequest\x1a\x16.ecrec.v1.PullResponse\x12>\n\x07Recover\x12\x18.ecrec.v1.RecoverRequest\x1a\x19.ecrec.v1.RecoverResponse\x12\x44\n\tCopyDense\x12\x1a.ecrec.v1.CopyDenseRequest\x1a\x1b.ecrec.v1.CopyDenseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x65\x63rec/proto/ecrec.proto\x12\x08\x65\x63rec.v1\")\n\x0bPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"\x1c\n\x0cPullResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x0c\"E\n\x0bPushRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12\x0b\n\x03txn\x18\x04 \x01(\t\"\x1f\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\"0\n\x10\x44\x65nsePullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"#\n\x11\x44\x65nsePullResponse\x12\x0e\n\x06values\x18\x01 \x01(\x0c\"L\n\x10\x44\x65nsePushRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\r\n\x05grads\x18\x03 \x01(\x0c\x12\x0b\n\x03txn\x18\x04 \x01(\t\"\x13\n\x11\x44\x65nsePushResponse\"t\n\x12ReadRecordsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\x12\r\n\x05\x63hunk\x18\x05 \x01(\r\"D\n\x13ReadRecordsResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\"\r\n\x0bInfoRequest\"\xc3\x01\n\x0cInfoResponse\x12\r\n\x05shard\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x11\n\tdata_rows\x18\x03 \x01(\x04\x12\x13\n\x0bparity_rows\x18\x04 \x01(\x04\x12\x14\n\x0crecord_width\x18\x05 \x01(\r\x12\x14\n\x0c\x64\x65nse_chunks\x18\x06 \x03(\r\x12\r\n\x05state\x18\x07 \x01(\t\x12\x10\n\x08strategy\x18\x08 \x01(\t\x12\x0e\n\x06staged\x18\t \x01(\x04\x12\x10\n\x08instance\x18\n \x01(\t\"\xaa\x01\n\x0cStageRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\x12\r\n\x05grads\x18\x04 \x01(\x0c\x12\x0b\n\x03src\x18\x05 \x01(\x05\x12\x14\n\x0c\x64\x65nse_chunks\x18\x06 \x03(\r\x12\x13\n\x0b\x64\x65nse_grads\x18\x07 \x03(\x0c\x12*\n\tdecisions\x18\x08 \x03(\x0b\x32\x17.ecrec.v1.DeltaDecision\"G\n\rStageResponse\x12\x0e\n\x06staged\x18\x01 \x01(\x04\x12&\n\x06\x64\x65ltas\x18\x02 \x03(\x0b\x32\x16.ecrec.v1.DeltaRequest\"L\n\x12StageDeltasRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\'\n\x07\x62\x61tches\x18\x02 \x03(\x0b\x32\x16.ecrec.v1.DeltaRequest\"M\n\x10\x44\x65\x63isionsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12*\n\tdecisions\x18\x02 \x03(\x0b\x32\x17.ecrec.v1.DeltaDecision\"%\n\x11\x44\x65\x63isionsResponse\x12\x10\n\x08outcomes\x18\x01 \x03(\t\"(\n\nTxnRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\"\x1e\n\x0bTxnResponse\x12\x0f\n\x07outcome\x18\x01 \x01(\t\"\xb3\x01\n\x0c\x44\x65ltaRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03src\x18\x03 \x01(\x05\x12\r\n\x05index\x18\x04 \x01(\x0c\x12\x0c\n\x04slot\x18\x05 \x01(\x0c\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x0c\x12\x0f\n\x07version\x18\x07 \x01(\x0c\x12\x11\n\timmediate\x18\x08 \x01(\x08\x12\x13\n\x0bparity_slot\x18\t \x01(\r\x12\x15\n\rparity_server\x18\n \x01(\x05\"H\n\rDeltaDecision\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03txn\x18\x02 \x01(\t\x12\x0b\n\x03src\x18\x03 \x01(\x05\x12\x0e\n\x06\x63ommit\x18\x04 \x01(\x08\"`\n\x0fReadRowsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05index\x18\x03 \x01(\x0c\x12\x0b\n\x03src\x18\x04 \x01(\x05\"D\n\x10ReadRowsResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\x10\n\x08versions\x18\x02 \x01(\x0c\x12\r\n\x05ready\x18\x03 \x01(\x0c\">\n\x13\x44\x65gradedPullRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\x05\x12\x0b\n\x03ids\x18\x03 \x01(\x0c\"a\n\x0eRecoverRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\"\n\x04kind\x18\x02 \x01(\x0e\x32\x14.ecrec.v1.RecordKind\x12\r\n\x05start\x18\x03 \x01(\x04\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"0\n\x10\x43opyDenseRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\"P\n\x11\x43opyDenseResponse\x12\x0f\n\x07records\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0c\n\x04txns\x18\x04 \x03(\t\"0\n\x0fRecoverResponse\x12\x0c\n\x04rows\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01*-\n\nRecordKind\x12\x08\n\x04\x44\x41TA\x10\x00\x12\n\n\x06PARITY\x10\x01\x12\t\n\x05\x44\x45NSE\x10\x02\x32\x80\t\n\x0fParameterServer\x12\x35\n\x04Pull\x12\x15.ecrec.v1.PullRequest\x1a\x16.ecrec.v1.PullResponse\x12\x35\n\x04Push\x12\x15.ecrec.v1.PushRequest\x1a\x16.ecrec.v1.PushResponse\x12\x44\n\tPullDense\x12\x1a.ecrec.v1.DensePullRequest\x1a\x1b.ecrec.v1.DensePullResponse\x12\x44\n\tPushDense\x12\x1a.ecrec.v1.DensePushRequest\x1a\x1b.ecrec.v1.DensePushResponse\x12J\n\x0bReadRecords\x12\x1c.ecrec.v1.ReadRecordsRequest\x1a\x1d.ecrec.v1.ReadRecordsResponse\x12\x35\n\x04Info\x12\x15.ecrec.v1.InfoRequest\x1a\x16.ecrec.v1.InfoResponse\x12\x38\n\x05Stage\x12\x16.ecrec.v1.StageRequest\x1a\x17.ecrec.v1.StageResponse\x12\x35\n\x06\x43ommit\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x34\n\x05\x41\x62ort\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x36\n\x05\x44\x65lta\x12\x16.ecrec.v1.DeltaRequest\x1a\x15.ecrec.v1.TxnResponse\x12>\n\x0c\x44\x65\x63ideDeltas\x12\x17.ecrec.v1.DeltaDecision\x1a\x15.ecrec.v1.TxnResponse\x12\x42\n\x0bStageDeltas\x12\x1c.ecrec.v1.StageDeltasRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x45\n\nDecideMany\x12\x1a.ecrec.v1.DecisionsRequest\x1a\x1b.ecrec.v1.DecisionsResponse\x12\x36\n\x07Outcome\x12\x14.ecrec.v1.TxnRequest\x1a\x15.ecrec.v1.TxnResponse\x12\x41\n\x08ReadRows\x12\x19.ecrec.v1.ReadRowsRequest\x1a\x1a.ecrec.v1.ReadRowsResponse\x12\x45\n\x0c\x44\x65gradedPull\x12\x1d.ecrec.v1.DegradedPullRequest\x1a\x16.ecrec.v1.PullResponse\x12>\n\x07Recover\x12\x18.ecrec.v1.RecoverRequest\x1a\x19.ecrec.v1.RecoverResponse\x12\x44\n\tCopyDense\x12\x1a.ecrec.v1.CopyDenseRequest\x1a\x1b.ecrec.v1.CopyDenseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ecrec.proto.ecrec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RECORDKIND']._serialized_start=2068
-  _globals['_RECORDKIND']._serialized_end=2113
+  _globals['_RECORDKIND']._serialized_start=2086
+  _globals['_RECORDKIND']._serialized_end=2131
   _globals['_PULLREQUEST']._serialized_start=37
   _globals['_PULLREQUEST']._serialized_end=78
   _globals['_PULLRESPONSE']._serialized_start=80
@@ -56,39 +56,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=588
   _globals['_INFOREQUEST']._serialized_end=601
   _globals['_INFORESPONSE']._serialized_start=604
-  _globals['_INFORESPONSE']._serialized_end=781
-  _globals['_STAGEREQUEST']._serialized_start=784
-  _globals['_STAGEREQUEST']._serialized_end=954
-  _globals['_STAGERESPONSE']._serialized_start=956
-  _globals['_STAGERESPONSE']._serialized_end=1027
-  _globals['_STAGEDELTASREQUEST']._serialized_start=1029
-  _globals['_STAGEDELTASREQUEST']._serialized_end=1105
-  _globals['_DECISIONSREQUEST']._serialized_start=1107
-  _globals['_DECISIONSREQUEST']._serialized_end=1184
-  _globals['_DECISIONSRESPONSE']._serialized_start=1186
-  _globals['_DECISIONSRESPONSE']._serialized_end=1223
-  _globals['_TXNREQUEST']._serialized_start=1225
-  _globals['_TXNREQUEST']._serialized_end=1265
-  _globals['_TXNRESPONSE']._serialized_start=1267
-  _globals['_TXNRESPONSE']._serialized_end=1297
-  _globals['_DELTAREQUEST']._serialized_start=1300
-  _globals['_DELTAREQUEST']._serialized_end=1479
-  _globals['_DELTADECISION']._serialized_start=1481
-  _globals['_DELTADECISION']._serialized_end=1553
-  _globals['_READROWSREQUEST']._serialized_start=1555
-  _globals['_READROWSREQUEST']._serialized_end=1651
-  _globals['_READROWSRESPONSE']._serialized_start=1653
-  _globals['_READROWSRESPONSE']._serialized_end=1721
-  _globals['_DEGRADEDPULLREQUEST']._serialized_start=1723
-  _globals['_DEGRADEDPULLREQUEST']._serialized_end=1785
-  _globals['_RECOVERREQUEST']._serialized_start=1787
-  _globals['_RECOVERREQUEST']._serialized_end=1884
-  _globals['_COPYDENSEREQUEST']._serialized_start=1886
-  _globals['_COPYDENSEREQUEST']._serialized_end=1934
-  _globals['_COPYDENSERESPONSE']._serialized_start=1936
-  _globals['_COPYDENSERESPONSE']._serialized_end=2016
-  _globals['_RECOVERRESPONSE']._serialized_start=2018
-  _globals['_RECOVERRESPONSE']._serialized_end=2066
-  _globals['_PARAMETERSERVER']._serialized_start=2116
-  _globals['_PARAMETERSERVER']._serialized_end=3268
+  _globals['_INFORESPONSE']._serialized_end=799
+  _globals['_STAGEREQUEST']._serialized_start=802
+  _globals['_STAGEREQUEST']._serialized_end=972
+  _globals['_STAGERESPONSE']._serialized_start=974
+  _globals['_STAGERESPONSE']._serialized_end=1045
+  _globals['_STAGEDELTASREQUEST']._serialized_start=1047
+  _globals['_STAGEDELTASREQUEST']._serialized_end=1123
+  _globals['_DECISIONSREQUEST']._serialized_start=1125
+  _globals['_DECISIONSREQUEST']._serialized_end=1202
+  _globals['_DECISIONSRESPONSE']._serialized_start=1204
+  _globals['_DECISIONSRESPONSE']._serialized_end=1241
+  _globals['_TXNREQUEST']._serialized_start=1243
+  _globals['_TXNREQUEST']._serialized_end=1283
+  _globals['_TXNRESPONSE']._serialized_start=1285
+  _globals['_TXNRESPONSE']._serialized_end=1315
+  _globals['_DELTAREQUEST']._serialized_start=1318
+  _globals['_DELTAREQUEST']._serialized_end=1497
+  _globals['_DELTADECISION']._serialized_start=1499
+  _globals['_DELTADECISION']._serialized_end=1571
+  _globals['_READROWSREQUEST']._serialized_start=1573
+  _globals['_READROWSREQUEST']._serialized_end=1669
+  _globals['_READROWSRESPONSE']._serialized_start=1671
+  _globals['_READROWSRESPONSE']._serialized_end=1739
+  _globals['_DEGRADEDPULLREQUEST']._serialized_start=1741
+  _globals['_DEGRADEDPULLREQUEST']._serialized_end=1803
+  _globals['_RECOVERREQUEST']._serialized_start=1805
+  _globals['_RECOVERREQUEST']._serialized_end=1902
+  _globals['_COPYDENSEREQUEST']._serialized_start=1904
+  _globals['_COPYDENSEREQUEST']._serialized_end=1952
+  _globals['_COPYDENSERESPONSE']._serialized_start=1954
+  _globals['_COPYDENSERESPONSE']._serialized_end=2034
+  _globals['_RECOVERRESPONSE']._serialized_start=2036
+  _globals['_RECOVERRESPONSE']._serialized_end=2084
+  _globals['_PARAMETERSERVER']._serialized_start=2134
+  _globals['_PARAMETERSERVER']._serialized_end=3286
 # @@protoc_insertion_point(module_scope)

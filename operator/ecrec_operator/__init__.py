@@ -1,0 +1,1 @@
+"""The ECRecJob operator (kopf): pods from the job's spec, replacements and recoveries, status."""

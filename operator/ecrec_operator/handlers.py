@@ -1,0 +1,339 @@
+"""kopf handlers: the thin adapter between the cluster and `ecrec.core.reconcile`.
+
+- `pods_by_job` (an index) keeps the job's pods in memory, from the pods' own watch stream.
+- `server_pod_event` reacts at once when a server pod is deleted or fails: it tells the coordinator, which
+  probes and marks the shard failed, so training goes on in degraded mode without waiting for heartbeats.
+- `reconcile_job` (a timer on each ECRecJob) observes the pods and the coordinator's `/v1/status`, asks the
+  pure reconciler what to do, does it (create or delete pods, call the coordinator) and writes the status.
+
+All state lives in the cluster (pods, their labels, the job's status) and in the coordinator, never in this
+process: a restarted operator carries on from what it observes. Pods carry no kopf finalizers (only the
+event handler and the index watch them); the job gets kopf's finalizer because of the timer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+
+import httpx
+import kopf
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from ecrec.core.reconcile import Action, Observed, reconcile
+from ecrec.spec import SpecError, job_from_dict
+
+from . import metrics, render
+from .status import job_status
+
+log = logging.getLogger("ecrec_operator")
+HTTP_TIMEOUT = 3.0
+_lost_at: dict[tuple[str, str, int], float] = {}  # (ns, job, shard) -> when the operator saw the server lost
+_lock = threading.Lock()
+
+
+# -- observation -------------------------------------------------------------------------------------------
+@kopf.index("", "v1", "pods", labels={render.LABEL_JOB: kopf.PRESENT})
+def pods_by_job(namespace, name, labels, meta, status, **_):
+    """(namespace, job) -> the pod's name, labels, deletion mark and status, as plain data."""
+    return {
+        (namespace, labels[render.LABEL_JOB]): {
+            "metadata": {
+                "name": name,
+                "labels": dict(labels),
+                "deletionTimestamp": meta.get("deletionTimestamp"),
+            },
+            "status": {
+                "phase": status.get("phase", "Pending"),
+                "podIP": status.get("podIP"),
+                "containerStatuses": list(status.get("containerStatuses") or []),
+            },
+        }
+    }
+
+
+def _pods(index, namespace: str, job: str) -> list[dict]:
+    return list(index.get((namespace, job), []))
+
+
+def _coordinator_base(pods: list[dict]) -> str | None:
+    """The coordinator's REST base URL, by its pod IP (reachable in-cluster and from the test harness)."""
+    best = None
+    for p in pods:
+        lab = p["metadata"]["labels"]
+        if lab.get(render.LABEL_ROLE) != "coordinator" or p["metadata"].get("deletionTimestamp"):
+            continue
+        if p["status"].get("phase") == "Running" and p["status"].get("podIP"):
+            if best is None or int(lab.get(render.LABEL_INCARNATION, 1)) > best[0]:
+                best = (int(lab.get(render.LABEL_INCARNATION, 1)), p["status"]["podIP"])
+    return f"http://{best[1]}:{render.HTTP_PORT}" if best else None
+
+
+def _get_status(base: str | None) -> dict | None:
+    if base is None:
+        return None
+    try:
+        r = httpx.get(f"{base}/v1/status", timeout=HTTP_TIMEOUT)
+        r.raise_for_status()
+        return r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+# -- reacting at once to a lost server --------------------------------------------------------------------
+_reported: set[tuple[str, str]] = set()  # (namespace, pod) whose loss was announced
+
+
+@kopf.on.event("", "v1", "pods", labels={render.LABEL_ROLE: "server"})
+def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: kopf.Index, **_):
+    gone = event.get("type") == "DELETED" or meta.get("deletionTimestamp") or status.get("phase") == "Failed"
+    if not gone:
+        return
+    job, shard = labels.get(render.LABEL_JOB), int(labels.get(render.LABEL_SHARD, -1))
+    base = _coordinator_base(_pods(pods_by_job, namespace, job))
+    if base is None or shard < 0:
+        return
+    with _lock:
+        _lost_at.setdefault((namespace, job, shard), time.time())
+        first = (namespace, name) not in _reported
+        _reported.add((namespace, name))
+    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == "ECRecJob"), None)
+    if first and owner is not None:
+        job_ref = {
+            "apiVersion": owner["apiVersion"],
+            "kind": owner["kind"],
+            "metadata": {"name": owner["name"], "namespace": namespace, "uid": owner["uid"]},
+        }
+        kopf.warn(job_ref, reason="ServerLost", message=f"server {shard}: pod {name} is gone; reporting it")
+    try:  # the coordinator probes the address before it believes us: a spurious report changes nothing
+        httpx.post(f"{base}/v1/failures", json={"shard": shard, "reporter": "operator"}, timeout=HTTP_TIMEOUT)
+    except httpx.HTTPError as e:
+        log.info("could not report shard %d of %s/%s: %s", shard, namespace, job, e)
+
+
+# -- the reconcile loop ----------------------------------------------------------------------------------
+@kopf.timer(render.GROUP, render.VERSION, render.PLURAL, interval=1.0, initial_delay=0.0)
+def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job: kopf.Index, logger, **_):
+    metrics.reconciles.inc()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    phase = status.get("phase")
+    if phase == "Failed" or (phase == "Succeeded" and status.get("completionTime")):
+        _finish(name, namespace, spec, status, body, pods_by_job, patch)
+        return
+    try:
+        job = job_from_dict(
+            {
+                "apiVersion": f"{render.GROUP}/{render.VERSION}",
+                "kind": "ECRecJob",
+                "metadata": {"name": name},
+                "spec": dict(spec),
+            }
+        )
+    except SpecError as e:
+        # A spec the schema could not reject (cross-field rules): nothing is created.
+        _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
+        return
+    pods = _pods(pods_by_job, namespace, name)
+    procs = tuple(p for p in (render.observe_pod(pod) for pod in pods) if p is not None)
+    coord_status = _get_status(_coordinator_base(pods))
+    run_policy = job.spec.run_policy
+    replacements = int(status.get("replacements") or 0)
+    started = status.get("startTime")
+    if run_policy.active_deadline_seconds and started:
+        age = (now - datetime.datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()
+        if age > run_policy.active_deadline_seconds:
+            _fail(
+                patch,
+                body,
+                status,
+                now,
+                "DeadlineExceeded",
+                f"active for {age:.0f}s, over activeDeadlineSeconds",
+            )
+            return
+    obs = Observed(
+        num_servers=job.spec.servers.replicas,
+        num_workers=job.spec.workers.replicas,
+        procs=procs,
+        status=coord_status,
+        deleting=bool(meta.get("deletionTimestamp")),
+        replacements=replacements,
+        backoff_limit=run_policy.backoff_limit,
+        recoverable=job.spec.fault_tolerance.strategy == "ecrec",
+        # After training, servers are kept whole until the final checks have run (then cleanPodPolicy).
+        settle_after_finish=True,
+    )
+    created_replacements = 0
+    base = _coordinator_base(pods)
+    for action in reconcile(obs):
+        metrics.actions.labels(action.kind).inc()
+        if action.kind == "fail":
+            reason = "BackoffLimitExceeded" if "backoffLimit" in action.reason else "ECRecJobFailed"
+            _fail(patch, body, status, now, reason, action.reason)
+            return
+        try:
+            created_replacements += _act(action, job, namespace, body, base, logger)
+        except (ApiException, httpx.HTTPError) as e:
+            metrics.errors.labels(action.kind).inc()
+            logger.warning("%s %s %d: %s", action.kind, action.role, action.index, e)
+    new = job_status(
+        job.spec, coord_status, procs, status, now, replacements=replacements + created_replacements
+    )
+    if new.get("phase") == "Succeeded":
+        final = _final_checks(job, coord_status, base, logger)
+        if final is None:
+            new.pop("completionTime", None)  # not finished until every shard is whole and checked
+        else:
+            new.update(final)
+            new["completionTime"] = now.isoformat().replace("+00:00", "Z")
+    for key, value in new.items():
+        patch.status[key] = value
+    _announce_transition(body, status.get("phase"), new.get("phase"), new.get("reason"))
+
+
+def _act(action: Action, job, namespace: str, owner, base: str | None, logger) -> int:
+    """Carry out one action; returns 1 for a replacement pod created (counted against backoffLimit)."""
+    core = k8s.CoreV1Api()
+    if action.kind == "create":
+        if action.role == "coordinator":
+            svc = render.coordinator_service(job, namespace)
+            kopf.adopt(svc, owner=owner)
+            try:
+                core.create_namespaced_service(namespace, svc)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+        pod = render.pod(job, namespace, action.role, action.index, action.incarnation, action.replacement)
+        kopf.adopt(pod, owner=owner)
+        try:
+            core.create_namespaced_pod(namespace, pod)
+        except ApiException as e:
+            if e.status == 409:
+                return 0  # created by an earlier pass whose watch event has not arrived yet
+            kopf.warn(owner, reason="FailedCreatePod", message=f"{pod['metadata']['name']}: {e.reason}")
+            raise
+        kopf.info(owner, reason="SuccessfulCreatePod", message=f"Created pod: {pod['metadata']['name']}")
+        metrics.pods_created.labels(action.role, str(action.replacement).lower()).inc()
+        if action.replacement:
+            kopf.info(
+                owner,
+                reason="ReplacementCreated",
+                message=f"{action.role} {action.index}: replacement pod {pod['metadata']['name']}",
+            )
+        return 1 if action.incarnation > 1 else 0
+    if action.kind == "delete":
+        pod_name = action.instance
+        try:
+            core.delete_namespaced_pod(pod_name, namespace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        kopf.info(owner, reason="SuccessfulDeletePod", message=f"Deleted pod {pod_name}: {action.reason}")
+        return 0
+    if base is None:
+        return 0  # the coordinator does not answer yet: the next pass does it
+    if action.kind == "report_failed":
+        with _lock:
+            _lost_at.setdefault((namespace, job.name, action.index), time.time())
+        httpx.post(
+            f"{base}/v1/failures", json={"shard": action.index, "reporter": "operator"}, timeout=HTTP_TIMEOUT
+        )
+        kopf.warn(owner, reason="ServerLost", message=f"server {action.index}: its pod is gone")
+    elif action.kind == "start_recovery":
+        r = httpx.post(f"{base}/recoveries", json={"shard": action.index}, timeout=HTTP_TIMEOUT)
+        if r.status_code == 200:
+            kopf.info(
+                owner,
+                reason="RecoveryStarted",
+                message=f"server {action.index}: lock-by-lock recovery started",
+            )
+            with _lock:
+                lost = _lost_at.pop((namespace, job.name, action.index), None)
+            if lost is not None:
+                metrics.replacement_seconds.observe(time.time() - lost)
+    elif action.kind == "report_worker_lost":
+        httpx.post(
+            f"{base}/v1/workers/lost",
+            json={"rank": action.index, "instance": action.instance, "replacing": True},
+            timeout=HTTP_TIMEOUT,
+        )
+        kopf.warn(owner, reason="WorkerLost", message=f"worker {action.index}: its pod is gone; replacing it")
+    return 0
+
+
+def _final_checks(job, coord_status: dict | None, base: str | None, logger) -> dict | None:
+    """After training: evaluation on the held-out split and the parity check (I1), once every shard is up
+    and no recovery is running; None until then."""
+    from ecrec.client import PSClient, evaluate
+    from ecrec.jobctx import JobContext
+    from ecrec.worker import data_source
+
+    if base is None or coord_status is None:
+        return None
+    shards = coord_status.get("cluster", {}).get("shards", [])
+    if not shards or any(s.get("state") != "up" for s in shards):
+        return None
+    ctx = JobContext(job)
+    client = PSClient(ctx, coord_status["cluster"])
+    try:
+        ev = evaluate(client, data_source(ctx).eval_batches(4096))
+        out: dict = {"eval": {"auc": ev["auc"], "logloss": ev["logloss"]}}
+        if ctx.ecrec:
+            pc = client.parity_check()
+            out["parityCheck"] = {
+                "stripes": pc["stripes"],
+                "mismatches": pc["mismatches"],
+                "checkedAt": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
+            }
+        logger.info("final checks: %s", out)
+        return out
+    except Exception as e:  # noqa: BLE001 - a check that cannot run now runs on the next pass
+        logger.warning("final checks failed, retrying: %s", e)
+        return None
+    finally:
+        client.close()
+
+
+def _fail(patch, body, status, now, reason: str, message: str) -> None:
+    from .status import set_condition
+
+    ts = now.isoformat().replace("+00:00", "Z")
+    patch.status["phase"] = "Failed"
+    patch.status["reason"] = message
+    patch.status["completionTime"] = status.get("completionTime") or ts
+    patch.status["conditions"] = set_condition(
+        status.get("conditions") or [], "Failed", "True", reason, message, ts
+    )
+    if status.get("phase") != "Failed":
+        kopf.warn(body, reason=reason, message=message)
+
+
+def _announce_transition(body, old: str | None, new: str | None, reason: str | None) -> None:
+    if new == old or new is None:
+        return
+    if new == "Succeeded":
+        kopf.info(body, reason="ECRecJobSucceeded", message="training finished")
+    elif new == "Failed":
+        kopf.warn(body, reason="ECRecJobFailed", message=reason or "failed")
+    elif new in ("Degraded", "Recovering"):
+        kopf.info(body, reason=f"ECRecJob{new}", message=f"job is {new.lower()}")
+
+
+def _finish(name, namespace, spec, status, body, index, patch) -> None:
+    """A finished job: apply runPolicy.cleanPodPolicy once (pods still running, or all), never recreate."""
+    policy = (spec.get("runPolicy") or {}).get("cleanPodPolicy", "Running")
+    if policy == "None":
+        return
+    core = k8s.CoreV1Api()
+    for p in _pods(index, namespace, name):
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        if policy == "All" or p["status"].get("phase") in ("Pending", "Running"):
+            try:
+                core.delete_namespaced_pod(p["metadata"]["name"], namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise

@@ -1,0 +1,208 @@
+"""What to do about a job's processes: one pure reconciler for both launchers (no I/O).
+
+The Kubernetes operator observes pods, the local launcher observes child processes; both observe the
+coordinator's `/v1/status`. Each turns what it sees into `Observed` and carries out the `Action`s that
+`reconcile` returns — creating and deleting pods or processes, telling the coordinator — so the two behave
+alike and the behaviour is tested once (tests/test_reconcile.py).
+
+A process is one incarnation of a role's index (server shard id, worker rank): a replacement is a new
+process with the next incarnation, never a restart of the old one, and names carry the incarnation, so a
+replacement never waits for an old process that is still terminating. Decisions depend only on what is
+observed now, so they are idempotent under duplicate events and correct after the launcher restarts:
+- a server shard with no live process is reported failed to the coordinator (at once, not after heartbeats
+  time out) and gets a replacement, which starts empty and is rebuilt once it has registered;
+- a server the coordinator declared failed while its process is still there (hung, paused) is deleted, and
+  then replaced as above;
+- a registered replacement gets its recovery started (the coordinator refuses before it has registered and
+  ignores a second request while the first runs);
+- a worker whose process was killed or deleted before finishing its steps is reported lost and replaced
+  under the same rank (it resumes where the coordinator's record of its progress ends); a worker that exited
+  with an error of its own (exit code 1-127) fails the job with that reason instead;
+- without a recoverable strategy a lost server fails the job;
+- nothing is created once the job succeeded, failed or is being deleted (`settle_after_finish` lets the
+  local launcher rebuild servers after training so its final checks see every shard whole); a process that
+  finished its work is never recreated; more replacements than the job's backoff limit fail the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["coordinator", "server", "worker"]
+ProcState = Literal["pending", "running", "succeeded", "failed", "deleting"]
+LIVE: tuple[str, ...] = ("pending", "running")
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One observed pod or process."""
+
+    role: Role
+    index: int  # shard id (server), rank (worker), 0 (coordinator)
+    incarnation: int  # 1 for the first process of this role and index, +1 for each replacement
+    state: ProcState
+    instance: str = ""  # the id it registers with at the coordinator
+    exit_code: int | None = None  # failed: its exit code (128 + n when killed by signal n), if known
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE
+
+
+@dataclass(frozen=True)
+class Observed:
+    num_servers: int
+    num_workers: int
+    procs: tuple[Proc, ...]
+    status: dict | None  # the coordinator's /v1/status; None while it does not answer
+    deleting: bool = False  # the job is being deleted
+    replacements: int = 0  # processes replaced so far (servers and workers)
+    backoff_limit: int | None = None  # most replacements allowed; None = no limit
+    recoverable: bool = True  # the strategy rebuilds a lost server (ecrec)
+    settle_after_finish: bool = False  # keep servers whole (replace, rebuild) after training succeeded
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Literal["create", "delete", "report_failed", "start_recovery", "report_worker_lost", "fail"]
+    role: Role | None = None
+    index: int = 0
+    incarnation: int = 0
+    replacement: bool = False  # create: a server that starts empty, or a worker that resumes
+    instance: str = ""  # delete / report_worker_lost: which process
+    reason: str = ""
+
+
+@dataclass
+class _Plan:
+    actions: list[Action] = field(default_factory=list)
+    created: int = 0  # replacements among the creations
+
+
+def reconcile(obs: Observed) -> list[Action]:
+    """The actions that bring the observed processes to what the job needs now."""
+    status = obs.status or {}
+    phase = status.get("phase")
+    if obs.deleting or phase == "Failed" or (phase == "Succeeded" and not obs.settle_after_finish):
+        return []
+    plan = _Plan()
+    by = _group(obs.procs)
+    coordinator = by.get(("coordinator", 0), [])
+    if not coordinator:
+        plan.actions.append(Action("create", "coordinator", 0, 1))
+    elif not any(p.live for p in coordinator):
+        # The coordinator holds the cluster map and the job's progress in memory: without it the job is lost.
+        return [
+            Action("fail", "coordinator", reason="the coordinator's process is gone; the job cannot continue without it")
+        ]
+    shards = {int(s["shard"]): s for s in status.get("cluster", {}).get("shards", [])}
+    recoveries = _open_recoveries(status.get("recoveries", []))
+    seen = obs.status is not None
+    for s in range(obs.num_servers):
+        procs = by.get(("server", s), [])
+        if not obs.recoverable and procs and not any(p.live for p in procs):
+            return [Action("fail", "server", s, reason=f"server {s} was lost and the job's strategy cannot rebuild it")]
+        _server(plan, s, procs, shards.get(s), recoveries.get(s), seen)
+    if phase == "Succeeded":
+        return plan.actions  # training is over: no worker is needed any more
+    workers = {int(w["rank"]): w for w in status.get("workers", [])}
+    for r in range(obs.num_workers):
+        procs = by.get(("worker", r), [])
+        errored = next((p for p in procs if p.state == "failed" and p.exit_code and p.exit_code < 128), None)
+        if errored is not None and not any(p.live or p.state == "succeeded" for p in procs):
+            return [Action("fail", "worker", r, reason=f"worker {r} exited with code {errored.exit_code}")]
+        _worker(plan, r, procs, workers.get(r), seen)
+    if obs.backoff_limit is not None and obs.replacements + plan.created > obs.backoff_limit:
+        return [
+            Action(
+                "fail",
+                reason=f"{obs.replacements + plan.created} replacements exceed runPolicy.backoffLimit "
+                f"({obs.backoff_limit})",
+            )
+        ]
+    return plan.actions
+
+
+def _group(procs) -> dict[tuple[str, int], list[Proc]]:
+    out: dict[tuple[str, int], list[Proc]] = {}
+    for p in procs:
+        out.setdefault((p.role, p.index), []).append(p)
+    for ps in out.values():
+        ps.sort(key=lambda p: p.incarnation)
+    return out
+
+
+def _open_recoveries(records: list[dict]) -> dict[int, str]:
+    """Shard -> state of its latest recovery record that is not completed."""
+    out: dict[int, str] = {}
+    for rec in records:
+        if rec.get("state") != "completed":
+            out[int(rec["shard"])] = rec.get("state", "")
+    return out
+
+
+def _next(procs: list[Proc], known: int = 0) -> int:
+    return max([known, *(p.incarnation for p in procs)]) + 1
+
+
+def _server(plan: _Plan, s: int, procs: list[Proc], shard: dict | None, recovery: str | None, seen: bool):
+    live = [p for p in procs if p.live]
+    state = (shard or {}).get("state", "pending")
+    registered = (shard or {}).get("instance", "")
+    if not procs and state == "pending":
+        plan.actions.append(Action("create", "server", s, 1))
+        return
+    if not live:
+        if not seen:
+            return  # what the coordinator knows decides whether this is a first start or a replacement
+        if state in ("up", "recovering"):
+            plan.actions.append(Action("report_failed", "server", s))
+        # A shard that never registered has nothing to rebuild: its next process starts as a first one.
+        first = state == "pending"
+        incarnation = _next(procs, int((shard or {}).get("incarnation", 0)))
+        plan.actions.append(Action("create", "server", s, incarnation, replacement=not first))
+        plan.created += 1
+        return
+    holder = next((p for p in live if registered and p.instance == registered), None)
+    if holder is not None:
+        if state == "failed":  # declared dead while its process is still there: hung or paused
+            plan.actions.append(
+                Action(
+                    "delete",
+                    "server",
+                    s,
+                    holder.incarnation,
+                    instance=holder.instance,
+                    reason="the coordinator declared it failed",
+                )
+            )
+        elif state == "recovering" and recovery not in ("waiting", "running"):
+            plan.actions.append(Action("start_recovery", "server", s))
+        for p in live:  # older processes of this shard are superseded: they can only get in the way
+            if p.incarnation < holder.incarnation:
+                plan.actions.append(
+                    Action(
+                        "delete",
+                        "server",
+                        s,
+                        p.incarnation,
+                        instance=p.instance,
+                        reason=f"superseded by incarnation {holder.incarnation}",
+                    )
+                )
+
+
+def _worker(plan: _Plan, r: int, procs: list[Proc], worker: dict | None, seen: bool):
+    if not procs and worker is None:
+        plan.actions.append(Action("create", "worker", r, 1))
+        return
+    if any(p.live for p in procs) or any(p.state == "succeeded" for p in procs):
+        return  # running, or finished its steps: never recreated
+    if not seen or (worker is not None and worker.get("done") and not worker.get("lost")):
+        return
+    known = int((worker or {}).get("incarnation", 0))
+    if worker is not None and not worker.get("lost") and worker.get("instance"):
+        plan.actions.append(Action("report_worker_lost", "worker", r, known, instance=worker["instance"]))
+    plan.actions.append(Action("create", "worker", r, _next(procs, known), replacement=worker is not None))
+    plan.created += 1

@@ -1,0 +1,184 @@
+"""The operator end to end on a real kube-apiserver: ECRecJob -> pods (run by the test kubelet); a server pod
+deleted with kubectl is replaced under the same shard id and rebuilt lock by lock while training goes on.
+
+The operator runs as a separate process with its ServiceAccount's token (operator/deploy/rbac.yaml), not as
+admin, so the RBAC rules are tested too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .testenv import REPO
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+NS = "e2e"
+
+
+def sa_kubeconfig(kube, out: Path) -> Path:
+    """A kubeconfig for the operator's ServiceAccount (a bound token), on the admin one's cluster."""
+    token = kube.kubectl(
+        "create", "token", "ecrec-operator", "-n", "ecrec-system", "--duration=2h"
+    ).stdout.strip()
+    admin = yaml.safe_load(Path(kube.kubeconfig).read_text())
+    cluster = admin["clusters"][0]
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": "ecrec-operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": cluster["name"], "user": "ecrec-operator"}}],
+        "current-context": "operator",
+    }
+    path = out / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class Operator:
+    def __init__(self, kubeconfig: Path, log: Path):
+        self.kubeconfig, self.log = kubeconfig, log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ecrec_operator.main", "--namespace", NS],
+                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def operator(kube, kubelet, ecrec_crd, tmp_path_factory):
+    kube.kubectl("apply", "-f", str(REPO / "operator/deploy/rbac.yaml"))
+    kube.kubectl("create", "namespace", NS, check=False)
+    out = tmp_path_factory.mktemp("operator")
+    op = Operator(sa_kubeconfig(kube, out), out / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print(f"operator log: {op.log}")
+
+
+def job_manifest(name: str, **spec_overrides) -> str:
+    doc = yaml.safe_load((REPO / "examples/k8s-small.yaml").read_text())
+    doc["metadata"] = {"name": name, "namespace": NS}
+    spec = doc["spec"]
+    spec["model"] = {"preset": "tiny"}
+    spec["training"].update({"steps": 500, "batchSize": 256})
+    spec["coordinator"].update({"heartbeatIntervalSeconds": 0.3, "failureTimeoutSeconds": 3})
+    for path, value in spec_overrides.items():
+        node = spec
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return yaml.safe_dump(doc)
+
+
+def get_job(kube, name: str) -> dict:
+    return json.loads(kube.kubectl("get", "ecj", name, "-n", NS, "-o", "json").stdout)
+
+
+def wait_for(what: str, fn, timeout: float, every: float = 0.3):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = fn()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def pods(kube, selector: str) -> list[dict]:
+    return json.loads(kube.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout)["items"]
+
+
+def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kube, operator):
+    name = "e2e-kill"
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name))
+    wait_for(
+        "training to run",
+        lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
+        timeout=180,
+    )
+    shard = random.Random(7).randrange(5)
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    phases: list[str] = []
+
+    def finished():
+        st = get_job(kube, name).get("status") or {}
+        if not phases or phases[-1] != st.get("phase"):
+            phases.append(st.get("phase"))
+        assert st.get("phase") != "Failed", st
+        return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
+
+    status = wait_for("the job to succeed", finished, timeout=300)
+    assert "Degraded" in phases or "Recovering" in phases, phases
+    assert status["replacements"] >= 1
+    recs = [r for r in status["recoveries"] if r["shard"] == shard]
+    assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
+    assert status["parityCheck"]["mismatches"] == 0 and status["parityCheck"]["stripes"] > 0
+    assert 0.5 < status["eval"]["auc"] <= 1.0
+    # The replacement carries the shard id and the next incarnation in its name and labels.
+    names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/shard={shard}")}
+    assert f"{name}-server-{shard}-2" in names or any(n.startswith(f"{name}-server-{shard}-") for n in names)
+    events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
+    for reason in (
+        "SuccessfulCreatePod",
+        "ServerLost",
+        "ReplacementCreated",
+        "RecoveryStarted",
+        "ECRecJobSucceeded",
+    ):
+        assert reason in events, events
+    table = kube.kubectl("get", "ecj", name, "-n", NS).stdout
+    assert "Succeeded" in table
+
+
+def test_an_invalid_spec_fails_with_the_reason_and_creates_nothing(kube, operator):
+    name = "e2e-invalid"
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"faultTolerance.ecrec.k": 5}))
+    status = wait_for(
+        "the job to fail",
+        lambda: (
+            (get_job(kube, name).get("status") or {}).get("phase") == "Failed"
+            and get_job(kube, name)["status"]
+        ),
+        60,
+    )
+    assert "k + r" in status["reason"] or "servers" in status["reason"], status
+    assert pods(kube, f"ecrec.dev/job={name}") == []
+
+
+def test_deleting_a_job_collects_every_pod(kube, operator):
+    name = "e2e-delete"
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name))
+    wait_for("pods", lambda: len(pods(kube, f"ecrec.dev/job={name}")) >= 8, timeout=120)
+    kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
+    wait_for("garbage collection", lambda: pods(kube, f"ecrec.dev/job={name}") == [], timeout=120)

@@ -1,0 +1,149 @@
+"""The pure reconciler shared by the operator and the local launcher: observations in, actions out."""
+
+from __future__ import annotations
+
+from ecrec.core.reconcile import Action, Observed, Proc, reconcile
+
+N, W = 3, 2
+
+
+def status(phase="Running", shards=None, workers=None, recoveries=()):
+    shards = shards or {}
+    return {
+        "phase": phase,
+        "cluster": {
+            "shards": [
+                {"shard": s, "state": "up", "incarnation": 1, "instance": f"s{s}-1", **shards.get(s, {})}
+                for s in range(N)
+            ]
+        },
+        "workers": [
+            {
+                "rank": r,
+                "instance": f"w{r}-1",
+                "incarnation": 1,
+                "done": False,
+                "lost": False,
+                **(workers or {}).get(r, {}),
+            }
+            for r in range(W)
+        ],
+        "recoveries": list(recoveries),
+    }
+
+
+def running(**skip) -> list[Proc]:
+    procs = [Proc("coordinator", 0, 1, "running", "c")]
+    procs += [Proc("server", s, 1, "running", f"s{s}-1") for s in range(N)]
+    procs += [Proc("worker", r, 1, "running", f"w{r}-1") for r in range(W)]
+    return procs
+
+
+def obs(procs, st, **kw) -> Observed:
+    return Observed(N, W, tuple(procs), st, **kw)
+
+
+def without(procs, role, index):
+    return [p for p in procs if (p.role, p.index) != (role, index)]
+
+
+def test_a_new_job_gets_every_process_once():
+    acts = reconcile(obs([], None))
+    assert Action("create", "coordinator", 0, 1) in acts
+    assert [a for a in acts if a.role == "server"] == [Action("create", "server", s, 1) for s in range(N)]
+    assert [a for a in acts if a.role == "worker"] == [Action("create", "worker", r, 1) for r in range(W)]
+    assert reconcile(obs(running(), status())) == []
+
+
+def test_a_deleted_server_is_reported_and_replaced_once_then_recovered():
+    procs = without(running(), "server", 1)
+    acts = reconcile(obs(procs, status()))
+    assert acts == [
+        Action("report_failed", "server", 1),
+        Action("create", "server", 1, 2, replacement=True),
+    ]
+    # The replacement exists but has not registered; the coordinator has marked the shard failed: wait.
+    procs.append(Proc("server", 1, 2, "pending", "s1-2"))
+    st = status(shards={1: {"state": "failed"}})
+    assert reconcile(obs(procs, st)) == []
+    assert reconcile(obs(procs, st)) == []  # a duplicate event changes nothing
+    # Registered: start the rebuild, once.
+    st = status(shards={1: {"state": "recovering", "incarnation": 2, "instance": "s1-2"}})
+    assert reconcile(obs(procs, st)) == [Action("start_recovery", "server", 1)]
+    st["recoveries"] = [{"shard": 1, "state": "running"}]
+    assert reconcile(obs(procs, st)) == []
+
+
+def test_a_terminating_pod_does_not_delay_its_replacement_and_names_never_repeat():
+    procs = without(running(), "server", 2) + [Proc("server", 2, 1, "deleting", "s2-1")]
+    acts = reconcile(obs(procs, status()))
+    assert Action("create", "server", 2, 2, replacement=True) in acts
+    # After an operator restart the cluster says incarnation 4 was the last one created, pod gone since.
+    st = status(shards={2: {"state": "failed", "incarnation": 4, "instance": "s2-4"}})
+    acts = reconcile(obs(without(running(), "server", 2), st))
+    assert acts == [Action("create", "server", 2, 5, replacement=True)]
+
+
+def test_a_hung_server_the_coordinator_declared_failed_is_deleted():
+    st = status(shards={0: {"state": "failed"}})
+    acts = reconcile(obs(running(), st))
+    assert acts == [
+        Action("delete", "server", 0, 1, instance="s0-1", reason="the coordinator declared it failed")
+    ]
+
+
+def test_a_superseded_live_process_is_deleted():
+    procs = running() + [Proc("server", 0, 2, "running", "s0-2")]
+    st = status(
+        shards={0: {"state": "recovering", "incarnation": 2, "instance": "s0-2"}},
+        recoveries=[{"shard": 0, "state": "running"}],
+    )
+    acts = reconcile(obs(procs, st))
+    assert [a.kind for a in acts] == ["delete"] and acts[0].instance == "s0-1"
+
+
+def test_a_killed_worker_is_reported_lost_and_resumed_under_its_rank():
+    procs = without(running(), "worker", 1) + [Proc("worker", 1, 1, "failed", "w1-1", exit_code=137)]
+    acts = reconcile(obs(procs, status()))
+    assert acts == [
+        Action("report_worker_lost", "worker", 1, 1, instance="w1-1"),
+        Action("create", "worker", 1, 2, replacement=True),
+    ]
+    # Reported lost, replacement not seen yet (e.g. the launcher restarted): create it, do not report again.
+    st = status(workers={1: {"lost": True}})
+    assert reconcile(obs(procs, st)) == [Action("create", "worker", 1, 2, replacement=True)]
+
+
+def test_a_finished_worker_is_never_recreated_and_an_erroring_one_fails_the_job():
+    procs = without(running(), "worker", 0) + [Proc("worker", 0, 1, "succeeded", "w0-1", exit_code=0)]
+    assert reconcile(obs(procs, status(workers={0: {"done": True}}))) == []
+    procs = without(running(), "worker", 0) + [Proc("worker", 0, 1, "failed", "w0-1", exit_code=1)]
+    (act,) = reconcile(obs(procs, status()))
+    assert act.kind == "fail" and "worker 0 exited with code 1" in act.reason
+
+
+def test_nothing_is_created_once_the_job_is_over_or_deleted():
+    procs = without(without(running(), "server", 1), "worker", 0)
+    for phase in ("Succeeded", "Failed"):
+        assert reconcile(obs(procs, status(phase=phase))) == []
+    assert reconcile(obs(procs, status(), deleting=True)) == []
+    # The local launcher keeps servers whole after training for its final checks; workers stay finished.
+    acts = reconcile(obs(procs, status(phase="Succeeded"), settle_after_finish=True))
+    assert {a.role for a in acts} == {"server"}
+
+
+def test_limits_and_unrecoverable_losses_fail_the_job_with_the_reason():
+    procs = without(running(), "server", 1)
+    (act,) = reconcile(obs(procs, status(), replacements=3, backoff_limit=3))
+    assert act.kind == "fail" and "backoffLimit" in act.reason
+    dead = without(running(), "server", 1) + [Proc("server", 1, 1, "failed", "s1-1", exit_code=137)]
+    (act,) = reconcile(obs(dead, status(), recoverable=False))
+    assert act.kind == "fail" and "server 1" in act.reason
+    gone = without(running(), "coordinator", 0) + [Proc("coordinator", 0, 1, "failed", "c", exit_code=137)]
+    (act,) = reconcile(obs(gone, status()))
+    assert act.kind == "fail" and "coordinator" in act.reason
+
+
+def test_without_the_coordinator_nothing_is_replaced_on_guesswork():
+    procs = without(running(), "server", 1) + [Proc("server", 1, 1, "failed", "s1-1", exit_code=1)]
+    assert reconcile(obs(procs, None)) == []
