@@ -120,7 +120,7 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
         assert not {"Push", "Delta"} & set(served), served  # no server-to-server difference propagation
 
 
-def test_worker_killed_mid_transaction_leaves_nothing_staged(tmp_path):
+def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tmp_path):
     ctx = make_ctx(
         "lost-worker",
         **{
@@ -133,8 +133,9 @@ def test_worker_killed_mid_transaction_leaves_nothing_staged(tmp_path):
     report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:mid_commit@20")
     assert report["fault"]["fired"]
     kinds = [e["kind"] for e in report["events"]]
-    assert "worker_lost" in kinds and "training_finished" in kinds
-    assert report["samples"] >= 60 * 256  # the surviving worker trained to the end
+    assert "worker_lost" in kinds and "worker_replaced" in kinds and "training_finished" in kinds
+    # The replacement resumed rank 1 where its predecessor's last report ended: both ranks trained every step.
+    assert report["samples"] == 2 * 60 * 256
     assert_consistent(report)  # what it left staged was settled: aborted, or committed where decided
 
 

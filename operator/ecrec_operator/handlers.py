@@ -140,7 +140,12 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     procs = tuple(p for p in (render.observe_pod(pod) for pod in pods) if p is not None)
     coord_status = _get_status(_coordinator_base(pods))
     run_policy = job.spec.run_policy
-    replacements = int(status.get("replacements") or 0)
+    # Replacements so far: what the status says, or what the pods' incarnations show if more (an operator
+    # killed between creating a replacement and writing the status).
+    latest: dict[tuple[str, int], int] = {}
+    for p in procs:
+        latest[(p.role, p.index)] = max(latest.get((p.role, p.index), 1), p.incarnation)
+    replacements = max(int(status.get("replacements") or 0), sum(i - 1 for i in latest.values()))
     started = status.get("startTime")
     if run_policy.active_deadline_seconds and started:
         age = (now - datetime.datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()

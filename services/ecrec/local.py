@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from ecrec.core.reconcile import Action, Observed, Proc, reconcile
 from ecrec.jobctx import JobContext
 
 PR_SET_PDEATHSIG = 1
@@ -52,10 +53,29 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    role: str = ""  # coordinator | server | worker
+    index: int = 0  # shard id or rank
+    incarnation: int = 1
+    instance: str = ""  # the id it registers with at the coordinator
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def observed(self) -> Proc:
+        """This process in the reconciler's terms (a signal n reads as exit code 128 + n, as in a pod)."""
+        code = self.proc.poll() if self.proc is not None else None
+        if code is None:
+            return Proc(self.role, self.index, self.incarnation, "running", self.instance)
+        exit_code = code if code >= 0 else 128 - code
+        return Proc(
+            self.role,
+            self.index,
+            self.incarnation,
+            "succeeded" if code == 0 else "failed",
+            self.instance,
+            exit_code,
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -73,8 +93,7 @@ class LocalCluster:
     children: dict[str, Child] = field(default_factory=dict)
     coordinator_url: str = ""
     env: dict[str, str] = field(default_factory=dict)
-    lost_workers: set[str] = field(default_factory=set)
-    instances: dict[str, str] = field(default_factory=dict)  # worker name -> the instance id it was given
+    history: list[Child] = field(default_factory=list)  # every process started, dead ones too
 
     def __post_init__(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,8 +103,21 @@ class LocalCluster:
         self.http = httpx.Client(timeout=10.0)
 
     # -- processes -------------------------------------------------------------------------------------
-    def spawn(self, name: str, module: str, *args: str) -> Child:
-        child = Child(name, [sys.executable, "-m", module, *args], self.out_dir / "logs" / f"{name}.log")
+    def spawn(
+        self, name: str, module: str, *args: str, role: str = "", index: int = 0, incarnation: int = 1
+    ) -> Child:
+        instance = f"{name}-{incarnation}-{uuid.uuid4().hex[:6]}"
+        if role in ("server", "worker"):
+            args = (*args, "--instance", instance)
+        child = Child(
+            name,
+            [sys.executable, "-m", module, *args],
+            self.out_dir / "logs" / f"{name}.log",
+            role=role,
+            index=index,
+            incarnation=incarnation,
+            instance=instance,
+        )
         with open(child.log_path, "ab") as log:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -97,9 +129,10 @@ class LocalCluster:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         self.children[name] = child
+        self.history.append(child)
         return child
 
-    def spawn_server(self, shard: int, replacement: bool = False) -> Child:
+    def spawn_server(self, shard: int, incarnation: int = 1, replacement: bool = False) -> Child:
         extra = ["--replacement"] if replacement else []
         return self.spawn(
             f"server-{shard}",
@@ -111,7 +144,32 @@ class LocalCluster:
             "--coordinator",
             self.coordinator_url,
             *extra,
+            role="server",
+            index=shard,
+            incarnation=incarnation,
         )
+
+    def spawn_worker(self, rank: int, incarnation: int = 1, replacement: bool = False) -> Child:
+        extra = ["--replacement"] if replacement else []
+        return self.spawn(
+            f"worker-{rank}",
+            "ecrec.worker",
+            "--job",
+            str(self.job_file),
+            "--rank",
+            str(rank),
+            "--coordinator",
+            self.coordinator_url,
+            "--incarnation",
+            str(incarnation),
+            *extra,
+            role="worker",
+            index=rank,
+            incarnation=incarnation,
+        )
+
+    def observe(self) -> tuple[Proc, ...]:
+        return tuple(c.observed() for c in self.history)
 
     def post(self, path: str, body: dict) -> dict:
         r = self.http.post(f"{self.coordinator_url}{path}", json=body)
@@ -171,27 +229,20 @@ class LocalCluster:
         port = free_port()
         self.coordinator_url = f"http://127.0.0.1:{port}"
         coord = self.spawn(
-            "coordinator", "ecrec.coordinator", "--job", str(self.job_file), "--port", str(port)
+            "coordinator",
+            "ecrec.coordinator",
+            "--job",
+            str(self.job_file),
+            "--port",
+            str(port),
+            role="coordinator",
         )
         self._wait("the coordinator", lambda: self.get("/healthz")["ok"], timeout, [coord])
         (self.out_dir / "coordinator.url").write_text(self.coordinator_url)
         servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
         self._wait("servers to register", lambda: self.get("/cluster")["ready"], timeout, [coord, *servers])
         for rank in range(self.ctx.spec.workers.replicas):
-            name = f"worker-{rank}"
-            self.instances[name] = f"{name}-{uuid.uuid4().hex[:8]}"
-            self.spawn(
-                name,
-                "ecrec.worker",
-                "--job",
-                str(self.job_file),
-                "--rank",
-                str(rank),
-                "--coordinator",
-                self.coordinator_url,
-                "--instance",
-                self.instances[name],
-            )
+            self.spawn_worker(rank)
 
 
 def machine_description() -> dict:
@@ -208,8 +259,9 @@ def machine_description() -> dict:
 
 
 class Supervisor:
-    """The local twin of the operator: kills servers on schedule (chaos), respawns dead ones under the same
-    shard id as empty replacements, and asks the coordinator to recover them."""
+    """The local twin of the operator: kills servers on schedule (`--kill`, `--chaos`) and carries out what the
+    reconciler shared with the operator (ecrec.core.reconcile) decides — replacements under the same shard id
+    or rank, failure reports, recoveries — with processes instead of pods."""
 
     def __init__(self, kills: list[tuple[int, float]] = (), chaos: int = 0, seed: int = 0):
         import random
@@ -219,11 +271,13 @@ class Supervisor:
         self.rng = random.Random(seed)
         self.next_chaos: tuple[int, float] | None = None
         self.respawns = 0
-        self.to_recover: set[int] = set()  # respawned shards whose recovery the coordinator has not accepted
 
     def tick(self, cluster: LocalCluster, status: dict) -> None:
-        if status.get("startedAt") is None or status["phase"] in ("Succeeded", "Failed"):
-            return
+        if status.get("startedAt") is not None and status["phase"] not in ("Succeeded", "Failed"):
+            self._kill_due(cluster, status)
+        self.reconcile(cluster, status)
+
+    def _kill_due(self, cluster: LocalCluster, status: dict) -> None:
         t = time.time() - status["startedAt"]
         n = cluster.ctx.num_servers
         if self.chaos_left and self.next_chaos is None and _all_recovered(status):
@@ -240,24 +294,52 @@ class Supervisor:
             if cluster.children[name].alive:
                 cluster.kill(name)
                 cluster.post("/v1/events", {"kind": "server_killed", "shard": shard, "at": time.time()})
-        self.respawn_dead(cluster)
 
-    def respawn_dead(self, cluster: LocalCluster) -> None:
-        """Start an empty replacement for every dead server and ask the coordinator to rebuild it once it has
-        registered (the coordinator refuses to recover a shard whose replacement it has not admitted)."""
-        if not cluster.ctx.ecrec:
-            return
-        for shard in range(cluster.ctx.num_servers):
-            if not cluster.children[f"server-{shard}"].alive:
-                cluster.spawn_server(shard, replacement=True)
-                self.respawns += 1
-                self.to_recover.add(shard)
-        for shard in sorted(self.to_recover):
-            r = cluster.http.post(f"{cluster.coordinator_url}/recoveries", json={"shard": shard})
-            if r.status_code == 200:
-                self.to_recover.discard(shard)
-            elif r.status_code != 409:  # 409: not registered yet, asked again next tick
+    def reconcile(self, cluster: LocalCluster, status: dict | None) -> None:
+        ctx = cluster.ctx
+        obs = Observed(
+            num_servers=ctx.num_servers,
+            num_workers=ctx.spec.workers.replicas,
+            procs=cluster.observe(),
+            status=status,
+            replacements=self.respawns,
+            recoverable=ctx.ecrec,
+            settle_after_finish=True,  # the report's checks need every shard whole after training
+        )
+        for action in reconcile(obs):
+            self._do(cluster, action)
+
+    def _do(self, cluster: LocalCluster, a: Action) -> None:
+        url = cluster.coordinator_url
+        if a.kind == "fail":
+            try:  # a process that fails says why to the coordinator first: that is the job's reason
+                reason = cluster.get("/v1/status")["reason"]
+            except httpx.HTTPError:
+                reason = None
+            if reason:
+                raise JobFailed(f"job failed: {reason}")
+            dead = [c for c in cluster.history if (c.role, c.index) == (a.role, a.index) and not c.alive]
+            raise JobFailed(f"job failed: {a.reason}" + (f":\n{dead[-1].log_tail()}" if dead else ""))
+        if a.kind == "create" and a.role == "server":
+            cluster.spawn_server(a.index, a.incarnation, a.replacement)
+        elif a.kind == "create" and a.role == "worker":
+            cluster.spawn_worker(a.index, a.incarnation, a.replacement)
+        elif a.kind == "delete":
+            for c in cluster.history:
+                if c.instance == a.instance:
+                    c.proc.kill()
+        elif a.kind == "report_failed":
+            cluster.http.post(f"{url}/v1/failures", json={"shard": a.index, "reporter": "supervisor"})
+        elif a.kind == "start_recovery":
+            r = cluster.http.post(f"{url}/recoveries", json={"shard": a.index})
+            if r.status_code not in (200, 409):  # 409: not registered yet; asked again next tick
                 r.raise_for_status()
+        elif a.kind == "report_worker_lost":
+            cluster.http.post(
+                f"{url}/v1/workers/lost", json={"rank": a.index, "instance": a.instance, "replacing": True}
+            )
+        if a.kind == "create" and a.replacement:
+            self.respawns += 1
 
 
 def _all_recovered(status: dict) -> bool:
@@ -409,7 +491,7 @@ def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: floa
         status = cluster.get("/v1/status")
         if _all_recovered(status) and all(r["state"] == "completed" for r in status["recoveries"]):
             return
-        supervisor.respawn_dead(cluster)  # a replacement may die after training ended
+        supervisor.reconcile(cluster, status)  # a replacement may die after training ended
         time.sleep(0.2)
     raise JobFailed("timed out waiting for recoveries to complete after training")
 
@@ -442,31 +524,6 @@ def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -
                 return status
             if status["phase"] == "Failed":
                 raise JobFailed(f"job failed: {status['reason']}")
-            for c in cluster.children.values():
-                code = c.proc.poll()
-                if c.name.startswith("worker") and code is not None and code < 0 and cluster.ctx.ecrec:
-                    # Killed (chaos, a fault point): the job goes on with the other workers.
-                    if c.name not in cluster.lost_workers:
-                        cluster.lost_workers.add(c.name)
-                        cluster.post(
-                            "/v1/workers/lost",
-                            {"rank": int(c.name.split("-")[1]), "instance": cluster.instances[c.name]},
-                        )
-                elif c.name.startswith("worker") and code not in (None, 0):
-                    try:  # a worker reports why before it exits: that is the job's reason
-                        reason = cluster.get("/v1/status")["reason"]
-                    except httpx.HTTPError:
-                        reason = None
-                    if reason:
-                        raise JobFailed(f"job failed: {reason}")
-                    raise JobFailed(f"{c.name} exited with code {c.proc.returncode}:\n{c.log_tail()}")
-                if c.name == "coordinator" and not c.alive:
-                    raise JobFailed(f"the coordinator exited with code {c.proc.returncode}:\n{c.log_tail()}")
-                if c.name.startswith("server") and not c.alive and not cluster.ctx.ecrec:
-                    raise JobFailed(
-                        f"{c.name} exited with code {c.proc.returncode} and strategy 'none' cannot "
-                        f"recover it:\n{c.log_tail()}"
-                    )
             time.sleep(0.25)
 
 

@@ -182,3 +182,60 @@ def test_deleting_a_job_collects_every_pod(kube, operator):
     wait_for("pods", lambda: len(pods(kube, f"ecrec.dev/job={name}")) >= 8, timeout=120)
     kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
     wait_for("garbage collection", lambda: pods(kube, f"ecrec.dev/job={name}") == [], timeout=120)
+
+
+def run_until_training(kube, name: str, **overrides) -> None:
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+    wait_for(
+        "training to run",
+        lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
+        timeout=180,
+    )
+
+
+def wait_done(kube, name: str, timeout: float = 300) -> dict:
+    def done():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
+
+    return wait_for("the job to succeed", done, timeout=timeout)
+
+
+def test_a_deleted_worker_pod_is_replaced_and_resumes_its_rank(kube, operator):
+    name = "e2e-worker"
+    run_until_training(kube, name)
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=worker,ecrec.dev/rank=1")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name)
+    assert status["replacements"] >= 1 and status["step"] == status["totalSteps"]
+    names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/rank=1")}
+    assert f"{name}-worker-1-2" in names, names
+    events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
+    assert "WorkerLost" in events, events
+
+
+def test_an_operator_restarted_mid_recovery_carries_on_from_what_it_observes(kube, operator):
+    name = "e2e-restart"
+    run_until_training(kube, name, **{"faultTolerance.ecrec.lockGroupRows": 64})
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=3")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    wait_for(
+        "the replacement pod",
+        lambda: any(
+            p["metadata"]["name"] == f"{name}-server-3-2"
+            for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/shard=3")
+        ),
+        timeout=120,
+        every=0.1,
+    )
+    operator.stop(signal.SIGKILL)  # between creating the replacement and rebuilding it: no chance to clean up
+    operator.start()
+    status = wait_done(kube, name)
+    recs = [r for r in status["recoveries"] if r["shard"] == 3]
+    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
+    assert status["parityCheck"]["mismatches"] == 0
+    # Exactly one replacement: the restarted operator did not create another one.
+    names = sorted(p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/shard=3"))
+    assert not any(n.endswith("-3") for n in names), names
+    assert status["replacements"] == 1

@@ -94,7 +94,11 @@ def reconcile(obs: Observed) -> list[Action]:
     elif not any(p.live for p in coordinator):
         # The coordinator holds the cluster map and the job's progress in memory: without it the job is lost.
         return [
-            Action("fail", "coordinator", reason="the coordinator's process is gone; the job cannot continue without it")
+            Action(
+                "fail",
+                "coordinator",
+                reason="the coordinator's process is gone; the job cannot continue without it",
+            )
         ]
     shards = {int(s["shard"]): s for s in status.get("cluster", {}).get("shards", [])}
     recoveries = _open_recoveries(status.get("recoveries", []))
@@ -102,7 +106,14 @@ def reconcile(obs: Observed) -> list[Action]:
     for s in range(obs.num_servers):
         procs = by.get(("server", s), [])
         if not obs.recoverable and procs and not any(p.live for p in procs):
-            return [Action("fail", "server", s, reason=f"server {s} was lost and the job's strategy cannot rebuild it")]
+            return [
+                Action(
+                    "fail",
+                    "server",
+                    s,
+                    reason=f"server {s} was lost and the job's strategy cannot rebuild it",
+                )
+            ]
         _server(plan, s, procs, shards.get(s), recoveries.get(s), seen)
     if phase == "Succeeded":
         return plan.actions  # training is over: no worker is needed any more
