@@ -33,7 +33,9 @@ from ecrec.wire import floats_to_bytes, ids_to_bytes
 
 log = logging.getLogger("ecrec.client")
 READ_PAGE_ROWS = 1 << 18
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # dead? ask the coordinator
+# Dead? Ask the coordinator. CANCELLED comes from a server that is shutting down (a pod being deleted cancels
+# the calls in flight): the client itself never cancels.
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 RETRYABLE = (*UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
 
 
