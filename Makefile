@@ -9,7 +9,7 @@ KILL    ?= 2@12   # the demo SIGKILLs server 2 twelve seconds into training; KIL
 
 .PHONY: demo test test-fast lint format proto bench clean help
 .PHONY: k8s-build k8s-build-for-test k8s-up k8s-down k8s-status k8s-e2e
-.PHONY: crd
+.PHONY: crd dashboard dashboard-png prometheus-for-test
 
 help:
 	@echo "make demo   - train examples/local-small.yaml locally with ECRec, kill a server mid-run;"
@@ -19,8 +19,11 @@ help:
 	@echo "make proto  - regenerate the gRPC stubs from services/ecrec/proto/ecrec.proto"
 	@echo "make bench  - parameter-server benchmark (ecrec bench server)"
 	@echo "make crd    - regenerate $(CRD_FILE) from the pydantic spec (services/ecrec/spec.py)"
+	@echo "make dashboard - regenerate $(DASHBOARD_FILE) (services/ecrec/dashboard.py);"
+	@echo "              make dashboard-png renders it from a real run under Prometheus into $(DASHBOARD_PNG)"
 	@echo "make k8s-build - build the Kubernetes test control plane once (cached in ~/.cache/ecrec), fetch helm+kubectl"
-	@echo "make k8s-up / k8s-down / k8s-status - run it in $(K8S_DIR) (source $(K8S_DIR)/env for KUBECONFIG)"
+	@echo "make k8s-up / k8s-down / k8s-status - run it in $(K8S_DIR) (source $(K8S_DIR)/env for KUBECONFIG);"
+	@echo "              k8s-up OPERATOR=helm installs charts/ecrec (operator as a Deployment) instead of a local operator"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,10 +36,10 @@ demo: $(STAMP)
 	$(BIN)/ecrec local $(JOB) --out $(OUT) --report $(OUT)/report.json --plot $(OUT)/throughput.png \
 		$(if $(strip $(KILL)),--kill $(strip $(KILL)))
 
-test: $(STAMP) k8s-build-for-test
+test: $(STAMP) k8s-build-for-test prometheus-for-test
 	$(BIN)/python -m pytest -q --durations=10
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) prometheus-for-test
 	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
@@ -69,8 +72,12 @@ k8s-build-for-test: $(STAMP)
 	@if [ "$$ECREC_SKIP_K8S" = 1 ]; then echo "ECREC_SKIP_K8S=1: Kubernetes tests skipped"; else hack/kube-testenv build; fi
 	@hack/fetch-helm-kubectl >/dev/null || echo "warning: hack/fetch-helm-kubectl failed (kubectl on PATH is used)"
 
+# OPERATOR=local: the operator as a local process; OPERATOR=helm: `helm install` of charts/ecrec (.venv/bin/helm,
+# linked by hack/fetch-helm-kubectl in k8s-build), the operator's Deployment run by the test kubelet.
+OPERATOR ?= local
+
 k8s-up: k8s-build
-	hack/k8s-up $(K8S_DIR)
+	hack/k8s-up $(K8S_DIR) $(OPERATOR)
 
 k8s-down:
 	hack/k8s-down $(K8S_DIR)
@@ -88,3 +95,23 @@ CRD_FILE := charts/ecrec/crds/ecrecjobs.yaml
 crd: $(STAMP)
 	@mkdir -p $(dir $(CRD_FILE))
 	$(BIN)/ecrec crd > $(CRD_FILE).tmp && mv $(CRD_FILE).tmp $(CRD_FILE)
+
+# Debian's prometheus + promtool (apt-get download + dpkg -x into ~/.cache/ecrec/prometheus; nothing installed
+# or started): tests/test_metrics.py lints expositions with promtool, tests/test_prometheus_e2e.py scrapes a job
+# with a real Prometheus. Cached after the first time; a failure fails `make test` with the reason.
+prometheus-for-test:
+	@hack/fetch-prometheus >/dev/null
+
+# The Grafana dashboard, generated from services/ecrec/dashboard.py and committed for the Helm chart;
+# tests/test_dashboard.py fails while the committed file is stale.
+DASHBOARD_FILE := charts/ecrec/dashboards/ecrec.json
+DASHBOARD_PNG  := docs/images/dashboard.png
+
+dashboard: $(STAMP)
+	@mkdir -p $(dir $(DASHBOARD_FILE))
+	$(BIN)/ecrec dashboard > $(DASHBOARD_FILE).tmp && mv $(DASHBOARD_FILE).tmp $(DASHBOARD_FILE)
+
+# A tiny-model run of examples/local-small.yaml with server 2 killed, scraped by a real Prometheus (~2-4 min).
+dashboard-png: $(STAMP) prometheus-for-test
+	$(BIN)/python -m tests.prom --png $(DASHBOARD_PNG) --set model.preset=tiny --set training.steps=1000 \
+		--set faultTolerance.ecrec.lockGroupRows=32 --kill 2@8

@@ -161,7 +161,16 @@ def test_verify_checks_a_running_job(tmp_path):
 
         def verify() -> tuple[int, dict]:
             res = subprocess.run(
-                [sys.executable, "-m", "ecrec.cli", "verify", "--coordinator", url],
+                [
+                    sys.executable,
+                    "-m",
+                    "ecrec.cli",
+                    "verify",
+                    "--coordinator",
+                    url,
+                    "--token-file",
+                    str(out / "job.token"),
+                ],
                 capture_output=True,
                 text=True,
                 timeout=120,

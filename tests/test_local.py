@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from ecrec.data import CHECK_LINES, SyntheticData, write_criteo_tsv
 from ecrec.local import run_local
 from tests.conftest import REPO, make_ctx, processes_mentioning, start_background_job
 
@@ -124,6 +125,11 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 
 def test_failed_worker_fails_the_job_and_cleans_up(tmp_path):
+    # A data file that is bad past the lines `ecrec local` checks before starting: the workers find it.
+    data = tmp_path / "train.tsv"
+    write_criteo_tsv(data, SyntheticData(make_ctx().model.table_sizes, seed=1), CHECK_LINES)
+    with open(data, "a") as f:
+        f.write("2" + "\t0" * (len(make_ctx().model.table_sizes) + 13) + "\n")
     out = tmp_path / "out"
     res = _cli(
         "local",
@@ -133,13 +139,14 @@ def test_failed_worker_fails_the_job_and_cleans_up(tmp_path):
         "--set",
         "data.source=criteo",
         "--set",
-        f"data.paths=[{tmp_path}/missing.tsv]",
+        f"data.paths=[{data}]",
         "--quiet",
         "--out",
         str(out),
     )
     assert res.returncode == 1
     assert "job failed" in res.stderr and "worker" in res.stderr
+    assert f"{data}:{CHECK_LINES + 1}: label must be 0 or 1" in (out / "logs/worker-0.log").read_text()
     assert processes_mentioning(str(out)) == []
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
+import pytest
+
 from ecrec.core.reconcile import Proc
 from ecrec.spec import load_job
 from ecrec_operator import render
@@ -30,7 +32,7 @@ def test_server_pods_carry_shard_incarnation_and_bind_their_pod_ip():
         "ecrec.dev/incarnation": "2",
     }
     (c,) = spec["containers"]
-    assert c["command"] == ["python", "-m", "ecrec.server"]
+    assert c["command"] == ["ecrec", "server"]
     args = c["args"]
     assert args[args.index("--shard") + 1] == "3" and "--replacement" in args
     assert args[args.index("--bind") + 1] == f"$(POD_IP):{render.GRPC_PORT}"
@@ -111,3 +113,124 @@ def test_set_condition_changes_the_transition_time_only_on_a_change():
     assert c[0]["lastTransitionTime"] == "t1" and c[0]["lastUpdateTime"] == "t2"
     c = set_condition(c, "Running", "False", "R", "m", "t3")
     assert c[0]["lastTransitionTime"] == "t3"
+
+
+# -- job-pod defaults (the chart's config) -------------------------------------------------------------------
+def test_every_pod_is_hardened_by_default_with_a_writable_tmp():
+    job = k8s_job()
+    for role, index in (("coordinator", 0), ("server", 1), ("worker", 0)):
+        spec = render.pod(job, "ns", role, index, 1)["spec"]
+        (c,) = spec["containers"]
+        assert spec["securityContext"] == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert c["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        assert spec["automountServiceAccountToken"] is False  # ECRec's processes never call the API
+        assert "serviceAccountName" not in spec
+        # The root filesystem is read-only: /tmp is an emptyDir and everything that writes points there.
+        assert {"name": "tmp", "emptyDir": {}} in spec["volumes"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        for var in ("HOME", "MPLCONFIGDIR", "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME"):
+            assert env[var] == "/tmp" or env[var].startswith("/tmp/"), var
+
+
+def test_servers_and_workers_share_the_member_flags():
+    job = k8s_job()
+    for role in ("server", "worker"):
+        args = render.pod(job, "ns", role, 0, 2, replacement=True)["spec"]["containers"][0]["args"]
+        pairs = dict(zip(args, args[1:], strict=False))
+        assert pairs["--coordinator"] == "$(ECREC_COORDINATOR)" and pairs["--instance"] == "$(POD_NAME)"
+        assert pairs["--metrics-addr"] == "$(POD_IP)" and pairs["--metrics-port"] == str(render.METRICS_PORT)
+        assert args.count("--replacement") == 1 and args.count("--coordinator") == 1
+
+
+def test_configured_defaults_replace_only_the_default_image_and_add_labels():
+    job = k8s_job()  # every role names ecrec:latest, the spec's default
+    d = render.PodDefaults.from_dict(
+        {
+            "images": {
+                "coordinator": "reg/ecrec:0.1.0",
+                "server": "reg/ecrec:0.1.0",
+                "worker": "reg/ecrec:0.1.0-cuda",
+            },
+            "imagePullPolicy": "Always",
+            "imagePullSecrets": ["regcred"],
+            "labels": {"team": "recsys", "ecrec.dev/role": "not-this"},
+            "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001},
+        }
+    )
+    server = render.pod(job, "ns", "server", 0, 1, defaults=d)
+    worker = render.pod(job, "ns", "worker", 0, 1, defaults=d)
+    assert server["spec"]["containers"][0]["image"] == "reg/ecrec:0.1.0"
+    assert worker["spec"]["containers"][0]["image"] == "reg/ecrec:0.1.0-cuda"
+    # The spec's own pull policy wins over the configured one.
+    assert server["spec"]["containers"][0]["imagePullPolicy"] == "IfNotPresent"
+    assert server["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert server["metadata"]["labels"]["team"] == "recsys"
+    assert server["metadata"]["labels"]["ecrec.dev/role"] == "server"  # the operator's own labels win
+    assert server["spec"]["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001}
+    # A container context left out of the config keeps the restricted default.
+    assert server["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+    own = load_job(
+        str(REPO / "examples/k8s-small.yaml"),
+        ("servers.image=mine/ecrec:dev", "servers.serviceAccountName=data-reader"),
+    )
+    # A role with a ServiceAccount of its own (e.g. a cloud identity for the data) keeps its token.
+    assert "automountServiceAccountToken" not in render.pod(own, "ns", "server", 0, 1, defaults=d)["spec"]
+    assert (
+        render.pod(own, "ns", "server", 0, 1, defaults=d)["spec"]["containers"][0]["image"]
+        == "mine/ecrec:dev"
+    )
+    # A role whose spec sets no pull policy gets the configured one.
+    no_policy = load_job(str(REPO / "examples/k8s-small.yaml"), ("coordinator.imagePullPolicy=null",))
+    c = render.pod(no_policy, "ns", "coordinator", 0, 1, defaults=d)["spec"]["containers"][0]
+    assert c["imagePullPolicy"] == "Always"
+
+
+def test_a_bad_operator_config_is_refused_with_the_key(tmp_path):
+    with pytest.raises(ValueError, match="podSecurityContex"):
+        render.PodDefaults.from_dict({"podSecurityContex": {}})
+    with pytest.raises(ValueError, match="roles"):
+        render.PodDefaults.from_dict({"images": {"servers": "x"}})
+    (tmp_path / "c.yaml").write_text("images:\n  worker: ecrec:1-cuda\nnetworkPolicy: {enabled: false}\n")
+    d = render.PodDefaults.load(tmp_path / "c.yaml")
+    assert d.images == {"worker": "ecrec:1-cuda"} and d.network_policy is None
+    assert d.pod_security_context == render.RESTRICTED_POD_SECURITY_CONTEXT
+
+
+def test_the_job_network_policy_admits_its_own_pods_and_the_operator_only():
+    job = k8s_job()
+    assert render.network_policy(job, "ns") is None  # built-in defaults: none
+    operator_peer = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ecrec-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+    }
+    d = render.PodDefaults.from_dict(
+        {
+            "networkPolicy": {
+                "enabled": True,
+                "operatorPeers": [operator_peer],
+                "extraEgress": [{"ports": [{"port": 443}]}],
+            }
+        }
+    )
+    np = render.network_policy(job, "ns", defaults=d)
+    spec = np["spec"]
+    own = {"podSelector": {"matchLabels": {"ecrec.dev/job": "k8s-small"}}}
+    assert np["metadata"]["namespace"] == "ns" and spec["policyTypes"] == ["Ingress", "Egress"]
+    # The policy selects every pod of this job (all roles), and no pod of another job.
+    for role in ("coordinator", "server", "worker"):
+        labels = render.pod(job, "ns", role, 0, 1, defaults=d)["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    assert not spec["podSelector"]["matchLabels"].items() <= render.labels("other", "coordinator").items()
+    ingress = spec["ingress"]
+    assert ingress[0] == {"from": [own]} and ingress[1] == {"from": [operator_peer]}
+    assert ingress[2] == {"ports": [{"protocol": "TCP", "port": render.METRICS_PORT}]}  # metrics: anyone
+    assert len(ingress) == 3
+    egress = spec["egress"]
+    assert egress[0] == {"to": [own]} and {p["port"] for p in egress[1]["ports"]} == {53}
+    assert egress[2] == {"ports": [{"port": 443}]} and len(egress) == 3

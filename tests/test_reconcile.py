@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ecrec.core.reconcile import Action, Observed, Proc, reconcile
+from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 
 N, W = 3, 2
 
@@ -139,9 +139,47 @@ def test_limits_and_unrecoverable_losses_fail_the_job_with_the_reason():
     dead = without(running(), "server", 1) + [Proc("server", 1, 1, "failed", "s1-1", exit_code=137)]
     (act,) = reconcile(obs(dead, status(), recoverable=False))
     assert act.kind == "fail" and "server 1" in act.reason
+    # A replaced coordinator counts against the limit like any other process.
     gone = without(running(), "coordinator", 0) + [Proc("coordinator", 0, 1, "failed", "c", exit_code=137)]
-    (act,) = reconcile(obs(gone, status()))
-    assert act.kind == "fail" and "coordinator" in act.reason
+    (act,) = reconcile(obs(gone, None, replacements=3, backoff_limit=3))
+    assert act.kind == "fail" and "backoffLimit" in act.reason
+
+
+def test_a_lost_coordinator_is_replaced_by_the_next_incarnation_and_nothing_else_is_decided():
+    # Whatever its last status said (read before it died, or nothing), the launcher's only move is a new
+    # coordinator: a lost server or worker is handled once that one answers.
+    procs = without(running(), "coordinator", 0) + [Proc("coordinator", 0, 1, "failed", "c", exit_code=137)]
+    procs = without(procs, "server", 2)
+    for st in (None, status(shards={2: {"state": "failed"}})):
+        assert reconcile(obs(procs, st)) == [Action("create", "coordinator", 0, 2, replacement=True)]
+    deleting = procs[:-1] + [Proc("coordinator", 0, 2, "deleting", "c2")]
+    assert reconcile(obs(deleting, None)) == [Action("create", "coordinator", 0, 3, replacement=True)]
+    # Its pod already removed (a deleted pod vanishes): the launcher's record says one existed.
+    gone = without(running(), "coordinator", 0)
+    assert reconcile(obs(gone, None, coordinator_incarnation=2)) == [
+        Action("create", "coordinator", 0, 3, replacement=True)
+    ]
+    assert Action("create", "coordinator", 0, 1) in reconcile(obs([], None))
+    # Never while the job is being deleted, nor once it has finished.
+    assert reconcile(obs(procs, None, deleting=True)) == []
+    assert reconcile(obs(procs, status(phase="Failed"))) == []
+
+
+def test_a_coordinator_seed_marks_finished_workers_done_and_outranks_its_generation():
+    resume = {
+        "generation": 4,
+        "epoch": 3 * 2**32 + 9,
+        "workers": [
+            {"rank": 0, "instance": "w0", "step": 90, "done": False, "lost": False},
+            {"rank": 1, "instance": "w1", "step": 40, "done": False, "lost": False},
+        ],
+    }
+    procs = (Proc("worker", 0, 1, "succeeded", "w0"), Proc("worker", 1, 1, "running", "w1"))
+    generation, seed = coordinator_seed(resume, procs, incarnation=2)
+    assert generation == 5  # the seed's generation wins over a smaller pod incarnation
+    assert [w["done"] for w in seed["workers"]] == [True, False]
+    assert resume["workers"][0]["done"] is False  # the launcher's copy is not changed
+    assert coordinator_seed(None, (), incarnation=3) == (3, {"workers": []})
 
 
 def test_without_the_coordinator_nothing_is_replaced_on_guesswork():

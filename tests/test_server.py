@@ -152,7 +152,7 @@ def test_store_counters_are_exposed_in_prometheus_format(served):
     text = generate_latest(m.registry).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = [s for s in fams["ecrec_server_buffered_updates"].samples if s.name.endswith("_total")]
-    assert sample.value == 3 and sample.labels == {"job": "t", "role": "server", "shard": "1"}
+    assert sample.value == 3 and sample.labels == {"ecrec_job": "t", "role": "server", "shard": "1"}
     assert fams["ecrec_server_staged"].samples[0].value == 0
 
 

@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 
+from ecrec import auth
 from ecrec.fuzz import GRPC_METHODS, REST_ENDPOINTS, fuzz_while_training, unexpected
 from ecrec.local import JobFailed, run_local
 from ecrec.proto import ecrec_pb2 as pb
@@ -53,7 +54,10 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
             return
         url = cluster.coordinator_url
         shards = httpx.get(f"{url}/cluster").json()["shards"]
-        with grpc.insecure_channel(shards[0]["address"]) as ch:
+        # Strays from inside the job (stale or confused processes hold the job token); outsiders without it
+        # are refused before any of these rules (tests/test_auth.py), as the last two answers show.
+        token = cluster.ctx.token
+        with auth.channel(shards[0]["address"], token) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
             try:
                 stub.PullDense(pb.DensePullRequest(epoch=2**40, chunk=0), timeout=5)
@@ -69,14 +73,21 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
                 stub.DegradedPull(pb.DegradedPullRequest(epoch=1, src=77), timeout=5)
             except grpc.RpcError as e:
                 answers["degraded"] = e.code()
-        answers["register"] = httpx.post(
+        with grpc.insecure_channel(shards[0]["address"]) as ch:
+            try:
+                pb_grpc.ParameterServerStub(ch).Info(pb.InfoRequest(), timeout=5)
+            except grpc.RpcError as e:
+                answers["no token, gRPC"] = e.code()
+        answers["no token, REST"] = httpx.post(f"{url}/v1/failures", json={"shard": 2}).status_code
+        http = httpx.Client(headers=auth.headers(token))
+        answers["register"] = http.post(
             f"{url}/v1/servers/register",
             json={"shard": 2, "address": "127.0.0.1:1", "instance": "stray", "replacement": True},
         ).status_code
-        answers["heartbeat"] = httpx.post(
+        answers["heartbeat"] = http.post(
             f"{url}/v1/servers/heartbeat", json={"shard": 2, "address": "127.0.0.1:1", "instance": "stray"}
         ).json()["ok"]
-        answers["recoveries"] = httpx.post(f"{url}/recoveries", json={"shard": 1}).status_code
+        answers["recoveries"] = http.post(f"{url}/recoveries", json={"shard": 1}).status_code
 
     report = run_local(det_ctx("strays"), tmp_path, progress=False, on_tick=strays)
     assert answers == {
@@ -86,6 +97,8 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
         "register": 409,
         "heartbeat": False,
         "recoveries": 409,
+        "no token, gRPC": grpc.StatusCode.UNAUTHENTICATED,
+        "no token, REST": 401,
     }
     kinds = {e["kind"] for e in report["events"]}
     assert not kinds & {"failure_detected", "replacement_registered", "recovery_started"}, kinds

@@ -18,7 +18,7 @@ import torch
 from ecrec.core.codes import SumCode, make_code
 from ecrec.core.optim import COUNT, NON_NEGATIVE, OPTIMIZERS, REAL, make_optimizer
 from ecrec.rebuild_error import CAPTURE_ENV, DECODE_LOG_ENV, KINDS, append_records, compare, read_records
-from ecrec.worker import NonFiniteStep, ProgressReporter, check_finite_step
+from ecrec.worker import CoordinatorLink, NonFiniteStep, ProgressReporter, check_finite_step
 from tests.conftest import REPO, make_ctx
 from tests.netsim import Net, Worker
 
@@ -299,9 +299,11 @@ def test_progress_reports_send_null_for_a_non_finite_loss() -> None:
     class Http:
         def post(self, url, json):
             sent.append(json)
-            return type("Response", (), {"raise_for_status": lambda self: None})()
+            return type("Response", (), {"status_code": 200, "raise_for_status": lambda self: None})()
 
-    reporter = ProgressReporter(Http(), "http://coordinator", 0, "w0")
+    link = CoordinatorLink("http://coordinator", 0, "w0", incarnation=1, patience=1.0)
+    link.http = Http()
+    reporter = ProgressReporter(link)
     for loss, expected in ((0.25, 0.25), (float("nan"), None), (None, None)):
         reporter.loss = loss
         reporter._post()

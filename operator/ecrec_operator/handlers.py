@@ -13,6 +13,8 @@ event handler and the index watch them); the job gets kopf's finalizer because o
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
 import datetime
 import logging
 import threading
@@ -23,7 +25,10 @@ import kopf
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from ecrec.core.reconcile import Action, Observed, reconcile
+from ecrec import auth
+from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile
+from ecrec.data import check_data
+from ecrec.jobctx import JobContext
 from ecrec.spec import SpecError, job_from_dict
 
 from . import metrics, render
@@ -83,6 +88,47 @@ def _get_status(base: str | None) -> dict | None:
         return None
 
 
+# -- the job token ------------------------------------------------------------------------------------------
+_tokens: dict[tuple[str, str, str], str] = {}  # (namespace, job, job uid) -> token, as read from its Secret
+
+
+def _job_token(namespace: str, job: str, uid: str) -> str:
+    """The job's token, read from its Secret (ApiException 404 if it has none yet). The cluster is the truth:
+    a restarted operator reads the same token back; a job deleted and created again under its name is
+    another uid, with another Secret."""
+    key = (namespace, job, uid)
+    with _lock:
+        if key in _tokens:
+            return _tokens[key]
+    secret = k8s.CoreV1Api().read_namespaced_secret(render.token_secret_name(job), namespace)
+    token = base64.b64decode((secret.data or {})["token"]).decode()
+    with _lock:
+        _tokens[key] = token
+    return token
+
+
+def _ensure_token(job, namespace: str, owner) -> str:
+    """The job's token, creating its Secret (owned by the job, so it goes with it) on the first pass."""
+    uid = owner["metadata"]["uid"]
+    try:
+        return _job_token(namespace, job.name, uid)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+    secret = render.token_secret(job, namespace, auth.new_token())
+    kopf.adopt(secret, owner=owner)
+    try:
+        k8s.CoreV1Api().create_namespaced_secret(namespace, secret)
+    except ApiException as e:
+        if e.status != 409:  # created by an earlier pass that died before caching it: read it back
+            raise
+    return _job_token(namespace, job.name, uid)
+
+
+def _post(base: str, path: str, token: str | None, body: dict) -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, timeout=HTTP_TIMEOUT, headers=auth.headers(token))
+
+
 # -- reacting at once to a lost server --------------------------------------------------------------------
 _reported: set[tuple[str, str]] = set()  # (namespace, pod) whose loss was announced
 
@@ -109,8 +155,9 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
         }
         kopf.warn(job_ref, reason="ServerLost", message=f"server {shard}: pod {name} is gone; reporting it")
     try:  # the coordinator probes the address before it believes us: a spurious report changes nothing
-        httpx.post(f"{base}/v1/failures", json={"shard": shard, "reporter": "operator"}, timeout=HTTP_TIMEOUT)
-    except httpx.HTTPError as e:
+        token = _job_token(namespace, job, owner["uid"]) if owner is not None else None
+        _post(base, "/v1/failures", token, {"shard": shard, "reporter": "operator"})
+    except (httpx.HTTPError, ApiException) as e:
         log.info("could not report shard %d of %s/%s: %s", shard, namespace, job, e)
 
 
@@ -121,7 +168,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     now = datetime.datetime.now(datetime.timezone.utc)
     phase = status.get("phase")
     if phase == "Failed" or (phase == "Succeeded" and status.get("completionTime")):
-        _finish(name, namespace, spec, status, body, pods_by_job, patch)
+        _finish(name, namespace, spec, status, body, pods_by_job, now)
         return
     try:
         job = job_from_dict(
@@ -137,7 +184,19 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
         return
     pods = _pods(pods_by_job, namespace, name)
+    if not pods and not status.get("coordinatorIncarnation"):
+        # Before anything starts: data files that are missing or malformed fail here with one line, not as
+        # a worker's traceback once every pod runs (the operator reads the data too, for the final checks).
+        problems = check_data(job.spec)
+        if problems:
+            _fail(patch, body, status, now, "ECRecJobInvalidData", "; ".join(problems))
+            return
     procs = tuple(p for p in (render.observe_pod(pod) for pod in pods) if p is not None)
+    try:
+        token = _ensure_token(job, namespace, body)
+    except ApiException as e:
+        logger.warning("the job token: %s", e)
+        return  # nothing can be created or told without it: the next pass tries again
     coord_status = _get_status(_coordinator_base(pods))
     run_policy = job.spec.run_policy
     # Replacements so far: what the status says, or what the pods' incarnations show if more (an operator
@@ -148,7 +207,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     replacements = max(int(status.get("replacements") or 0), sum(i - 1 for i in latest.values()))
     started = status.get("startTime")
     if run_policy.active_deadline_seconds and started:
-        age = (now - datetime.datetime.fromisoformat(started.replace("Z", "+00:00"))).total_seconds()
+        age = (now - _parse_time(started)).total_seconds()
         if age > run_policy.active_deadline_seconds:
             _fail(
                 patch,
@@ -170,8 +229,16 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         recoverable=job.spec.fault_tolerance.strategy == "ecrec",
         # After training, servers are kept whole until the final checks have run (then cleanPodPolicy).
         settle_after_finish=True,
+        coordinator_incarnation=max(
+            [
+                int(status.get("coordinatorIncarnation") or 0),
+                int((status.get("resume") or {}).get("generation") or 0),
+                *(p.incarnation for p in procs if p.role == "coordinator"),
+            ]
+        ),
     )
     created_replacements = 0
+    coordinator_created = None
     base = _coordinator_base(pods)
     for action in reconcile(obs):
         metrics.actions.labels(action.kind).inc()
@@ -180,7 +247,9 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
             _fail(patch, body, status, now, reason, action.reason)
             return
         try:
-            created_replacements += _act(action, job, namespace, body, base, logger)
+            created_replacements += _act(action, job, namespace, body, base, logger, status, procs, token)
+            if action.kind == "create" and action.role == "coordinator":
+                coordinator_created = action.incarnation
         except (ApiException, httpx.HTTPError) as e:
             metrics.errors.labels(action.kind).inc()
             logger.warning("%s %s %d: %s", action.kind, action.role, action.index, e)
@@ -188,21 +257,29 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         job.spec, coord_status, procs, status, now, replacements=replacements + created_replacements
     )
     if new.get("phase") == "Succeeded":
-        final = _final_checks(job, coord_status, base, logger)
+        final = _final_checks.poll(
+            (namespace, name, meta.get("uid")), JobContext(job, token=token), coord_status, base, logger
+        )
         if final is None:
             new.pop("completionTime", None)  # not finished until every shard is whole and checked
         else:
             new.update(final)
-            new["completionTime"] = now.isoformat().replace("+00:00", "Z")
+            new["completionTime"] = _iso(now)
+    if coordinator_created is not None:
+        new["coordinatorIncarnation"] = coordinator_created
     for key, value in new.items():
         patch.status[key] = value
     _announce_transition(body, status.get("phase"), new.get("phase"), new.get("reason"))
 
 
-def _act(action: Action, job, namespace: str, owner, base: str | None, logger) -> int:
+def _act(action: Action, job, namespace: str, owner, base: str | None, logger, status, procs, token) -> int:
     """Carry out one action; returns 1 for a replacement pod created (counted against backoffLimit)."""
     core = k8s.CoreV1Api()
     if action.kind == "create":
+        resume = None
+        if action.role == "coordinator" and action.replacement:
+            # Its predecessor's state as this operator last wrote it into the job's status.
+            resume = coordinator_seed(status.get("resume"), procs, action.incarnation)
         if action.role == "coordinator":
             svc = render.coordinator_service(job, namespace)
             kopf.adopt(svc, owner=owner)
@@ -211,7 +288,17 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger) -
             except ApiException as e:
                 if e.status != 409:
                     raise
-        pod = render.pod(job, namespace, action.role, action.index, action.incarnation, action.replacement)
+            policy = render.network_policy(job, namespace)  # None unless the chart's --config turns it on
+            if policy is not None:
+                kopf.adopt(policy, owner=owner)
+                try:
+                    k8s.NetworkingV1Api().create_namespaced_network_policy(namespace, policy)
+                except ApiException as e:
+                    if e.status != 409:
+                        raise
+        pod = render.pod(
+            job, namespace, action.role, action.index, action.incarnation, action.replacement, resume=resume
+        )
         kopf.adopt(pod, owner=owner)
         try:
             core.create_namespaced_pod(namespace, pod)
@@ -243,12 +330,10 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger) -
     if action.kind == "report_failed":
         with _lock:
             _lost_at.setdefault((namespace, job.name, action.index), time.time())
-        httpx.post(
-            f"{base}/v1/failures", json={"shard": action.index, "reporter": "operator"}, timeout=HTTP_TIMEOUT
-        )
+        _post(base, "/v1/failures", token, {"shard": action.index, "reporter": "operator"})
         kopf.warn(owner, reason="ServerLost", message=f"server {action.index}: its pod is gone")
     elif action.kind == "start_recovery":
-        r = httpx.post(f"{base}/recoveries", json={"shard": action.index}, timeout=HTTP_TIMEOUT)
+        r = _post(base, "/recoveries", token, {"shard": action.index})
         if r.status_code == 200:
             kopf.info(
                 owner,
@@ -260,28 +345,50 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger) -
             if lost is not None:
                 metrics.replacement_seconds.observe(time.time() - lost)
     elif action.kind == "report_worker_lost":
-        httpx.post(
-            f"{base}/v1/workers/lost",
-            json={"rank": action.index, "instance": action.instance, "replacing": True},
-            timeout=HTTP_TIMEOUT,
+        _post(
+            base,
+            "/v1/workers/lost",
+            token,
+            {"rank": action.index, "instance": action.instance, "replacing": True},
         )
         kopf.warn(owner, reason="WorkerLost", message=f"worker {action.index}: its pod is gone; replacing it")
     return 0
 
 
-def _final_checks(job, coord_status: dict | None, base: str | None, logger) -> dict | None:
-    """After training: evaluation on the held-out split and the parity check (I1), once every shard is up
-    and no recovery is running; None until then."""
+class FinalChecks:
+    """After training: evaluation on the held-out split and the parity check (I1), once every shard is up and
+    no recovery is running. They take seconds (a pass over the eval split, every stripe read), so they run on a
+    thread of their own and the timer only polls: one job's checks never hold up the reconcile of another.
+    Nothing here needs to survive a restart: a restarted operator simply runs them again."""
+
+    def __init__(self, workers: int = 2):
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="final-checks")
+        self._running: dict[tuple, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def poll(self, key: tuple, ctx, coord_status: dict | None, base: str | None, logger) -> dict | None:
+        """The checks' result once they have passed; None while they cannot run yet, run, or failed (then the
+        next poll starts them again)."""
+        if base is None or coord_status is None:
+            return None
+        shards = coord_status.get("cluster", {}).get("shards", [])
+        if not shards or any(s.get("state") != "up" for s in shards):
+            return None
+        with self._lock:
+            fut = self._running.get(key)
+            if fut is None:
+                self._running[key] = self._pool.submit(_run_final_checks, ctx, coord_status, logger)
+                return None
+            if not fut.done():
+                return None
+            del self._running[key]
+        return fut.result()
+
+
+def _run_final_checks(ctx, coord_status: dict, logger) -> dict | None:
     from ecrec.client import PSClient, evaluate
-    from ecrec.jobctx import JobContext
     from ecrec.worker import data_source
 
-    if base is None or coord_status is None:
-        return None
-    shards = coord_status.get("cluster", {}).get("shards", [])
-    if not shards or any(s.get("state") != "up" for s in shards):
-        return None
-    ctx = JobContext(job)
     client = PSClient(ctx, coord_status["cluster"])
     try:
         ev = evaluate(client, data_source(ctx).eval_batches(4096))
@@ -291,7 +398,7 @@ def _final_checks(job, coord_status: dict | None, base: str | None, logger) -> d
             out["parityCheck"] = {
                 "stripes": pc["stripes"],
                 "mismatches": pc["mismatches"],
-                "checkedAt": datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z"),
+                "checkedAt": _iso(datetime.datetime.now(datetime.timezone.utc)),
             }
         logger.info("final checks: %s", out)
         return out
@@ -302,10 +409,21 @@ def _final_checks(job, coord_status: dict | None, base: str | None, logger) -> d
         client.close()
 
 
+_final_checks = FinalChecks()
+
+
+def _iso(t: datetime.datetime) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def _parse_time(text: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 def _fail(patch, body, status, now, reason: str, message: str) -> None:
     from .status import set_condition
 
-    ts = now.isoformat().replace("+00:00", "Z")
+    ts = _iso(now)
     patch.status["phase"] = "Failed"
     patch.status["reason"] = message
     patch.status["completionTime"] = status.get("completionTime") or ts
@@ -327,9 +445,31 @@ def _announce_transition(body, old: str | None, new: str | None, reason: str | N
         kopf.info(body, reason=f"ECRecJob{new}", message=f"job is {new.lower()}")
 
 
-def _finish(name, namespace, spec, status, body, index, patch) -> None:
-    """A finished job: apply runPolicy.cleanPodPolicy once (pods still running, or all), never recreate."""
-    policy = (spec.get("runPolicy") or {}).get("cleanPodPolicy", "Running")
+def _delete_job(namespace: str, name: str, ttl: int) -> None:
+    time.sleep(0.5)
+    try:
+        k8s.CustomObjectsApi().delete_namespaced_custom_object(
+            render.GROUP, render.VERSION, namespace, render.PLURAL, name, propagation_policy="Background"
+        )
+        log.info("deleted %s/%s: ttlSecondsAfterFinished=%s passed", namespace, name, ttl)
+    except ApiException as e:
+        if e.status != 404:
+            log.warning("could not delete %s/%s after its TTL: %s", namespace, name, e)
+
+
+def _finish(name, namespace, spec, status, body, index, now: datetime.datetime) -> None:
+    """A finished job: apply runPolicy.cleanPodPolicy (pods still running, or all), never recreate anything;
+    delete the job itself once runPolicy.ttlSecondsAfterFinished has passed (its pods and Service go with it
+    by their owner references)."""
+    run_policy = spec.get("runPolicy") or {}
+    ttl = run_policy.get("ttlSecondsAfterFinished")
+    done_at = status.get("completionTime")
+    if ttl is not None and done_at and (now - _parse_time(done_at)).total_seconds() >= ttl:
+        # From a thread of its own, after this pass returns: deleted while its own timer runs, the job kept
+        # kopf's finalizer for good (kopf 1.45 stopped the timer but never released the object).
+        threading.Thread(target=_delete_job, args=(namespace, name, ttl), daemon=True).start()
+        return
+    policy = run_policy.get("cleanPodPolicy", "Running")
     if policy == "None":
         return
     core = k8s.CoreV1Api()

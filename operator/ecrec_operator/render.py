@@ -5,14 +5,29 @@ pod stuck Terminating; the shard id, rank, role and incarnation are labels, whic
 them again after a restart. Every process binds its pod IP (`$(POD_IP)`, from the downward API) and names
 itself with its pod name, which is unique per incarnation: that is the `instance` the coordinator tells
 processes of one shard apart by. Servers and workers reach the coordinator through its Service.
+
+Every pod is hardened by default (`PodDefaults`): non-root, seccomp RuntimeDefault, no privilege escalation,
+all capabilities dropped, a read-only root filesystem with an emptyDir at /tmp for what the processes write
+(HOME and the matplotlib/torch caches point there), and no service-account token (ECRec's processes never
+call the Kubernetes API; a role given its own serviceAccountName keeps Kubernetes' rule). The Helm chart
+hands the operator its own `PodDefaults` in a config file (`ecrec-operator --config`): security contexts,
+the image for roles that keep the spec's default image, extra labels, image pull secrets and the settings
+of the per-job NetworkPolicy (`network_policy`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import yaml
+
+from ecrec import auth
 from ecrec.core.reconcile import Proc
-from ecrec.spec import Job
+from ecrec.spec import Job, ServersSpec
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
 LABEL_JOB = "ecrec.dev/job"
@@ -23,6 +38,121 @@ LABEL_INCARNATION = "ecrec.dev/incarnation"
 HTTP_PORT = 8080  # coordinator REST
 GRPC_PORT = 7070  # parameter servers
 METRICS_PORT = 9090  # every role's /metrics
+ROLES = ("coordinator", "server", "worker")
+SPEC_DEFAULT_IMAGE = ServersSpec.model_fields["image"].default  # `ecrec:latest`, the same for every role
+
+# Pod Security Standards "restricted": what every job pod gets unless the operator's config says otherwise.
+# No runAsUser: the images name their user numerically (USER 10001), which runAsNonRoot can check.
+RESTRICTED_POD_SECURITY_CONTEXT: dict = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+RESTRICTED_CONTAINER_SECURITY_CONTEXT: dict = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+TMP_VOLUME = "tmp"
+TMP_DIR = "/tmp"
+# Where the processes and their libraries write: the /tmp emptyDir (the root filesystem is read-only).
+SCRATCH_ENV = {
+    "HOME": TMP_DIR,
+    "MPLCONFIGDIR": f"{TMP_DIR}/matplotlib",
+    "TORCHINDUCTOR_CACHE_DIR": f"{TMP_DIR}/torchinductor",
+    "TRITON_CACHE_DIR": f"{TMP_DIR}/triton",
+    "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
+}
+
+
+@dataclass(frozen=True)
+class NetworkPolicySettings:
+    """The per-job NetworkPolicy: the job's pods take connections only from each other, from the operator
+    (`operator_peers`, NetworkPolicy peers that select the operator's pod) and, on the metrics port only, from
+    `metrics_from` (empty: from anywhere); they connect only to each other, to DNS (port 53) and to
+    `extra_egress` (NetworkPolicy egress rules, e.g. to where the training data is)."""
+
+    operator_peers: tuple[dict, ...] = ()
+    metrics_from: tuple[dict, ...] = ()
+    extra_egress: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class PodDefaults:
+    """What the operator adds to every job pod it creates (the chart's `jobPods` values, via `--config`).
+
+    `images` (role -> image) replaces the image of a role whose spec keeps the default (`ecrec:latest`); an
+    image the job names is kept. `image_pull_policy` applies where the spec sets none. `labels` are added
+    to the pods (the operator's own `ecrec.dev/*` labels win). `network_policy` None: no NetworkPolicy."""
+
+    images: Mapping[str, str] = field(default_factory=dict)
+    image_pull_policy: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    pod_security_context: Mapping[str, Any] = field(
+        default_factory=lambda: dict(RESTRICTED_POD_SECURITY_CONTEXT)
+    )
+    container_security_context: Mapping[str, Any] = field(
+        default_factory=lambda: dict(RESTRICTED_CONTAINER_SECURITY_CONTEXT)
+    )
+    labels: Mapping[str, str] = field(default_factory=dict)
+    network_policy: NetworkPolicySettings | None = None
+
+    KEYS = (
+        "images",
+        "imagePullPolicy",
+        "imagePullSecrets",
+        "podSecurityContext",
+        "containerSecurityContext",
+        "labels",
+        "networkPolicy",
+    )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PodDefaults:
+        """From the config file's camelCase mapping; unknown keys are refused (a typo must not go unseen)."""
+        unknown = sorted(set(d) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown keys in the operator config: {unknown} (known: {list(cls.KEYS)})")
+        images = dict(d.get("images") or {})
+        if set(images) - set(ROLES):
+            raise ValueError(f"images: roles are {list(ROLES)}, got {sorted(images)}")
+        np = d.get("networkPolicy") or {}
+        np_unknown = sorted(set(np) - {"enabled", "operatorPeers", "metricsFrom", "extraEgress"})
+        if np_unknown:
+            raise ValueError(f"unknown keys in the operator config's networkPolicy: {np_unknown}")
+        kwargs: dict[str, Any] = {
+            "images": {k: str(v) for k, v in images.items() if v},
+            "image_pull_policy": d.get("imagePullPolicy") or None,
+            "image_pull_secrets": tuple(str(s) for s in d.get("imagePullSecrets") or ()),
+            "labels": {str(k): str(v) for k, v in (d.get("labels") or {}).items()},
+            "network_policy": NetworkPolicySettings(
+                operator_peers=tuple(np.get("operatorPeers") or ()),
+                metrics_from=tuple(np.get("metricsFrom") or ()),
+                extra_egress=tuple(np.get("extraEgress") or ()),
+            )
+            if np.get("enabled")
+            else None,
+        }
+        for key, attr in (
+            ("podSecurityContext", "pod_security_context"),
+            ("containerSecurityContext", "container_security_context"),
+        ):
+            if d.get(key) is not None:  # {} means none at all; absent means the restricted default
+                kwargs[attr] = dict(d[key])
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PodDefaults:
+        """From a YAML (or JSON) file, e.g. the chart's ConfigMap mounted into the operator's pod."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, Mapping):
+            raise ValueError(f"the operator config must be a mapping, not {type(data).__name__}")
+        return cls.from_dict(data)
+
+
+DEFAULTS = PodDefaults()  # what pod() and network_policy() use unless given others; main.py sets it
+
+
+def configure(defaults: PodDefaults) -> None:
+    """Sets the process-wide defaults (`ecrec-operator --config`), before the handlers run."""
+    global DEFAULTS
+    DEFAULTS = defaults
 
 
 def pod_name(job: str, role: str, index: int, incarnation: int) -> str:
@@ -33,6 +163,25 @@ def pod_name(job: str, role: str, index: int, incarnation: int) -> str:
 
 def coordinator_service_name(job: str) -> str:
     return f"{job}-coordinator"
+
+
+def token_secret_name(job: str) -> str:
+    return f"{job}-token"
+
+
+def token_secret(job: Job, namespace: str, token: str) -> dict:
+    """The job token (ecrec.auth), which every process of the job gets as ECREC_JOB_TOKEN."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": token_secret_name(job.name),
+            "namespace": namespace,
+            "labels": {LABEL_JOB: job.name},
+        },
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
 
 
 def coordinator_url(job: str, namespace: str) -> str:
@@ -74,14 +223,44 @@ def coordinator_service(job: Job, namespace: str) -> dict:
     }
 
 
-def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, replacement: bool = False) -> dict:
-    """The pod of one process: `role` coordinator | server | worker, `index` its shard id or rank."""
+def _member_args(replacement: bool) -> list[str]:
+    """The flags servers and workers share: where the coordinator is, where /metrics is served (the pod IP),
+    the instance name (the pod's), and whether the process replaces a lost one."""
+    return [
+        "--coordinator",
+        "$(ECREC_COORDINATOR)",
+        "--metrics-addr",
+        "$(POD_IP)",
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--instance",
+        "$(POD_NAME)",
+        *(["--replacement"] if replacement else []),
+    ]
+
+
+def pod(
+    job: Job,
+    namespace: str,
+    role: str,
+    index: int,
+    incarnation: int,
+    replacement: bool = False,
+    defaults: PodDefaults | None = None,
+    resume: tuple[int, dict] | None = None,
+) -> dict:
+    """The pod of one process: `role` coordinator | server | worker, `index` its shard id or rank;
+    `defaults` None: the process-wide `DEFAULTS`. `resume` (generation, seed): a coordinator that replaces a
+    lost one and starts from its predecessor's state (`ecrec.core.reconcile.coordinator_seed`)."""
+    d = DEFAULTS if defaults is None else defaults
     spec = job.spec
     section = {"coordinator": spec.coordinator, "server": spec.servers, "worker": spec.workers}[role]
     common = ["--job", "env:ECREC_JOB"]
     if role == "coordinator":
         module = "ecrec.coordinator"
         args = [*common, "--host", "$(POD_IP)", "--port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT)]
+        if resume is not None:
+            args += ["--generation", str(resume[0]), "--resume", "env:ECREC_RESUME"]
         ports = [
             {"name": "http", "containerPort": HTTP_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
@@ -93,17 +272,9 @@ def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, repla
             *common,
             "--shard",
             str(index),
-            "--coordinator",
-            "$(ECREC_COORDINATOR)",
             "--bind",
             f"$(POD_IP):{GRPC_PORT}",
-            "--metrics-addr",
-            "$(POD_IP)",
-            "--metrics-port",
-            str(METRICS_PORT),
-            "--instance",
-            "$(POD_NAME)",
-            *(["--replacement"] if replacement else []),
+            *_member_args(replacement),
         ]
         ports = [
             {"name": "grpc", "containerPort": GRPC_PORT},
@@ -112,42 +283,37 @@ def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, repla
         probe = {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 2}
     else:
         module = "ecrec.worker"
-        args = [
-            *common,
-            "--rank",
-            str(index),
-            "--coordinator",
-            "$(ECREC_COORDINATOR)",
-            "--metrics-addr",
-            "$(POD_IP)",
-            "--metrics-port",
-            str(METRICS_PORT),
-            "--instance",
-            "$(POD_NAME)",
-            "--incarnation",
-            str(incarnation),
-            *(["--replacement"] if replacement else []),
-        ]
+        args = [*common, "--rank", str(index), "--incarnation", str(incarnation), *_member_args(replacement)]
         ports = [{"name": "metrics", "containerPort": METRICS_PORT}]
         probe = None
     env = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "ECREC_JOB", "value": job_json(job)},
+        {
+            "name": auth.ENV,
+            "valueFrom": {"secretKeyRef": {"name": token_secret_name(job.name), "key": "token"}},
+        },
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        *({"name": k, "value": v} for k, v in SCRATCH_ENV.items()),
     ]
+    if role == "coordinator" and resume is not None:
+        env.append({"name": "ECREC_RESUME", "value": json.dumps(resume[1], separators=(",", ":"))})
     if role != "coordinator":  # (the test kubelet would wait for the coordinator's own Service to be ready)
         env.append({"name": "ECREC_COORDINATOR", "value": coordinator_url(job.name, namespace)})
     container: dict = {
         "name": role,
-        "image": section.image,
-        "command": ["python", "-m", module],
+        "image": d.images.get(role, section.image) if section.image == SPEC_DEFAULT_IMAGE else section.image,
+        "command": ["ecrec", module.rsplit(".", 1)[-1]],  # the images' ENTRYPOINT console script
         "args": args,
         "env": env,
         "ports": ports,
+        "volumeMounts": [{"name": TMP_VOLUME, "mountPath": TMP_DIR}],
     }
-    if section.image_pull_policy:
-        container["imagePullPolicy"] = section.image_pull_policy
+    if d.container_security_context:
+        container["securityContext"] = _copy(d.container_security_context)
+    if section.image_pull_policy or d.image_pull_policy:
+        container["imagePullPolicy"] = section.image_pull_policy or d.image_pull_policy
     resources = {
         k: dict(v)
         for k, v in (("requests", section.resources.requests), ("limits", section.resources.limits))
@@ -161,7 +327,12 @@ def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, repla
         "restartPolicy": "Never",  # a replacement is a new pod (next incarnation), never a restart
         "terminationGracePeriodSeconds": 10,
         "containers": [container],
+        "volumes": [{"name": TMP_VOLUME, "emptyDir": {}}],
     }
+    if d.pod_security_context:
+        pod_spec["securityContext"] = _copy(d.pod_security_context)
+    if d.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in d.image_pull_secrets]
     if section.node_selector:
         pod_spec["nodeSelector"] = dict(section.node_selector)
     if section.tolerations:
@@ -170,10 +341,12 @@ def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, repla
         ]
     if section.service_account_name:
         pod_spec["serviceAccountName"] = section.service_account_name
+    else:  # ECRec's processes never call the Kubernetes API: the namespace default's token is of no use
+        pod_spec["automountServiceAccountToken"] = False
     meta: dict = {
         "name": pod_name(job.name, role, index, incarnation),
         "namespace": namespace,
-        "labels": labels(job.name, role, index, incarnation),
+        "labels": {**d.labels, **labels(job.name, role, index, incarnation)},
     }
     meta["annotations"] = {
         "prometheus.io/scrape": "true",
@@ -181,6 +354,47 @@ def pod(job: Job, namespace: str, role: str, index: int, incarnation: int, repla
         "prometheus.io/path": "/metrics",
     }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def network_policy(job: Job, namespace: str, defaults: PodDefaults | None = None) -> dict | None:
+    """The job's NetworkPolicy (None when the defaults have none): see `NetworkPolicySettings`. One per job,
+    since a policy cannot say "pods of the same job as this one": its selectors name the job."""
+    np = (DEFAULTS if defaults is None else defaults).network_policy
+    if np is None:
+        return None
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}}
+    metrics: dict = {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]}
+    if np.metrics_from:
+        metrics["from"] = _copy(list(np.metrics_from))
+    ingress: list[dict] = [{"from": [own]}]
+    if np.operator_peers:
+        ingress.append({"from": _copy(list(np.operator_peers))})
+    ingress.append(metrics)
+    dns = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": network_policy_name(job.name),
+            "namespace": namespace,
+            "labels": {LABEL_JOB: job.name},
+        },
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_JOB: job.name}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": [{"to": [own]}, dns, *_copy(list(np.extra_egress))],
+        },
+    }
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-ecrec"
+
+
+def _copy(obj: Any) -> Any:
+    """A deep copy of plain JSON-like data: a manifest never shares a dict with the defaults."""
+    return json.loads(json.dumps(obj))
 
 
 def observe_pod(pod_obj: dict) -> Proc | None:

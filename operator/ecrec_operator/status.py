@@ -154,10 +154,12 @@ def job_status(
         "replicaStatuses": _replicas(procs),
         "recoveries": [{k: v for k, v in r.items() if v is not None} for r in recoveries],
         "replacements": replacements,
+        # What a replacement coordinator starts from (docs/protocol.md, Coordinator failover).
+        "resume": c.get("resume"),
     }
     if not coordinator:
         # Nothing to say about training yet (or the coordinator is momentarily unreachable): keep what was.
-        for key in ("phase", "step", "samplesPerSecond", "recoveries", "reason"):
+        for key in ("phase", "step", "samplesPerSecond", "recoveries", "reason", "resume"):
             if previous.get(key) is not None:
                 out[key] = previous[key]
         out["conditions"] = previous.get("conditions") or conditions

@@ -7,7 +7,11 @@ import json
 import sys
 from pathlib import Path
 
+from ecrec import auth
 from ecrec.spec import SpecError, load_job
+
+# `ecrec ROLE ARGS` runs ROLE's process: the module whose main(argv) gets ARGS.
+ROLE_MODULES = {"coordinator": "ecrec.coordinator", "server": "ecrec.server", "worker": "ecrec.worker"}
 
 
 def _job(args):
@@ -18,7 +22,9 @@ def _job(args):
 
 def cmd_local(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
+    from ecrec.data import check_data
     from ecrec.local import JobFailed, run_local, write_report
     from ecrec.plot import plot_report
 
@@ -35,9 +41,11 @@ def cmd_local(args) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
-    if (kills or args.chaos) and not ctx.ecrec:
+    server_kills = any(target != "coordinator" for target, _at in kills)
+    if (server_kills or args.chaos) and not ctx.ecrec:
         console.print(
-            "[red]error:[/] --kill/--chaos need faultTolerance.strategy 'ecrec' (nothing could recover)"
+            "[red]error:[/] killing servers (--kill/--chaos) needs faultTolerance.strategy 'ecrec' "
+            "(nothing could recover)"
         )
         return 2
     if args.rebuild_error and not ctx.spec.training.deterministic:
@@ -45,6 +53,11 @@ def cmd_local(args) -> int:
             "[red]error:[/] --rebuild-error needs --set training.deterministic=true (and "
             "workers.replicas=1): it compares with the same run without faults"
         )
+        return 2
+    problems = check_data(ctx.spec)
+    if problems:  # before any process starts, and on one line: not a worker's traceback later
+        more = f" (and {len(problems) - 1} more: ecrec validate lists them)" if len(problems) > 1 else ""
+        console.print(f"[red]error:[/] {escape(problems[0])}{more}", soft_wrap=True)
         return 2
     out = Path(args.out)
     s = ctx.spec
@@ -97,13 +110,15 @@ def cmd_local(args) -> int:
     return 0
 
 
-def _parse_kill(text: str, num_servers: int) -> tuple[int, float]:
-    shard, sep, at = text.partition("@")
+def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float]:
+    target, sep, at = text.partition("@")
     try:
-        s, t = int(shard), float(at)
+        s, t = (target if target == "coordinator" else int(target)), float(at)
     except ValueError:
-        raise ValueError(f"--kill {text!r}: expected SHARD@SECONDS, e.g. 1@10") from None
-    if not sep or not 0 <= s < num_servers or t < 0:
+        raise ValueError(
+            f"--kill {text!r}: expected SHARD@SECONDS or coordinator@SECONDS, e.g. 1@10"
+        ) from None
+    if not sep or (s != "coordinator" and not 0 <= s < num_servers) or t < 0:
         raise ValueError(f"--kill {text!r}: shard must be in [0, {num_servers}) and seconds >= 0")
     return s, t
 
@@ -126,7 +141,8 @@ def cmd_verify(args) -> int:
                 "metadata": {"name": doc["name"]},
                 "spec": doc["spec"],
             }
-        )
+        ),
+        token=Path(args.token_file).read_text().strip() if args.token_file else auth.from_env(),
     )
     if not ctx.ecrec:
         print(
@@ -146,8 +162,32 @@ def cmd_verify(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    from ecrec.data import check_data
+
     ctx = _job(args)
+    problems = [] if args.skip_data_check else check_data(ctx.spec)
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if problems:
+        return 2
     print(json.dumps({"name": ctx.name, "spec": ctx.spec.to_dict()}, indent=2))
+    return 0
+
+
+def cmd_dashboard(args) -> int:
+    from ecrec import dashboard
+
+    if not args.png:
+        sys.stdout.write(dashboard.dashboard_json())  # what `make dashboard` commits
+        return 0
+    if not (args.prometheus and args.job):
+        print("error: --png needs --prometheus and --job", file=sys.stderr)
+        return 2
+    start, end = dashboard.job_window(args.prometheus, args.job, args.start, args.end)
+    data = dashboard.panel_data(args.prometheus, args.job, start, end)
+    drawn = dashboard.render_png(data, Path(args.png), start, title=f"ECRec job {args.job}")
+    empty = [title for title, n in drawn.items() if not n]
+    print(f"wrote {args.png}" + (f"; no data for: {', '.join(empty)}" if empty else ""))
     return 0
 
 
@@ -218,6 +258,37 @@ def cmd_bench_fuzz(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_chaos(args) -> int:
+    """Pod faults against a running ECRecJob, one at a time; a table of the recoveries."""
+    from ecrec.chaos import ChaosError, Options, print_table, run
+
+    opts = Options(
+        job=args.job,
+        namespace=args.namespace,
+        action=args.action,
+        role=args.role,
+        interval=args.interval,
+        count=args.count,
+        seed=args.seed,
+        duration=args.duration,
+        injector=args.injector,
+        grace_period=args.grace_period,
+        timeout=args.timeout,
+        kubeconfig=args.kubeconfig,
+        context=args.context,
+    )
+    try:
+        faults, seed, code = run(opts)
+    except ChaosError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: a fault in progress stays as it is", file=sys.stderr)
+        return 130
+    print_table(faults, seed, args.output)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ecrec", description="Erasure-coded fault-tolerant DLRM training")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -241,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill",
         action="append",
         metavar="SHARD@SECONDS",
-        help="SIGKILL that server's process this long after training started (repeatable)",
+        help="SIGKILL that server's process (or the coordinator's: coordinator@SECONDS) this long after "
+        "training started (repeatable)",
     )
     p.add_argument(
         "--chaos",
@@ -258,16 +330,97 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_local)
 
-    p = sub.add_parser("validate", help="validate a job and print the effective spec")
+    for role in ROLE_MODULES:  # dispatched in main(); listed here for --help
+        p = sub.add_parser(
+            role,
+            add_help=False,
+            help=f"run one {role} process (what its pod runs); `ecrec {role} --help` lists its options",
+        )
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(fn=lambda a, role=role: run_role(role, a.args) or 0)
+
+    p = sub.add_parser("validate", help="validate a job and its data files; print the effective spec")
     job_args(p)
+    p.add_argument(
+        "--skip-data-check",
+        action="store_true",
+        help="do not open data.paths (they are on the pods' volumes, not here)",
+    )
     p.set_defaults(fn=cmd_validate)
 
     p = sub.add_parser("verify", help="check every stripe's parity on a running job (invariant I1)")
     p.add_argument("--coordinator", required=True, help="coordinator URL, e.g. http://127.0.0.1:8080")
+    p.add_argument(
+        "--token-file",
+        help="the job token (ecrec local writes OUT/job.token; default: $ECREC_JOB_TOKEN)",
+    )
     p.set_defaults(fn=cmd_verify)
 
     p = sub.add_parser("crd", help="print the ECRecJob CustomResourceDefinition")
     p.set_defaults(fn=cmd_crd)
+
+    p = sub.add_parser("dashboard", help="print the Grafana dashboard, or render it from a Prometheus as PNG")
+    p.add_argument("--png", help="render the panels into this PNG instead (needs --prometheus and --job)")
+    p.add_argument("--prometheus", help="Prometheus base URL, e.g. http://127.0.0.1:9090")
+    p.add_argument("--job", help="the job's name (the ecrec_job label)")
+    p.add_argument("--start", type=float, help="unix time of the first point (default: the job's start)")
+    p.add_argument("--end", type=float, help="unix time of the last point (default: now)")
+    p.set_defaults(fn=cmd_dashboard)
+
+    p = sub.add_parser(
+        "chaos",
+        help="pod faults (Chaos Mesh's pod-kill, pod-failure) against a running ECRecJob, one at a time",
+    )
+    p.add_argument("--job", required=True, help="the ECRecJob's name")
+    p.add_argument(
+        "-n", "--namespace", help="its namespace (default: the kubeconfig context's, else default)"
+    )
+    p.add_argument(
+        "--action",
+        choices=("pod-kill", "pod-failure"),
+        default="pod-kill",
+        help="pod-kill: delete the pod; pod-failure: pause its process for --duration (default: pod-kill)",
+    )
+    p.add_argument(
+        "--role",
+        choices=("server", "worker", "coordinator", "any"),
+        default="any",
+        help="whose pod (default: any = a random server or worker)",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=10.0,
+        help="seconds between a recovery and the next fault (default: 10)",
+    )
+    p.add_argument("--count", type=int, default=1, help="faults to inject (default: 1)")
+    p.add_argument("--seed", type=int, help="seed of the target choice (default: random, printed)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        help="pod-failure: seconds the process is paused (default: 20)",
+    )
+    p.add_argument(
+        "--injector",
+        choices=("auto", "chaos-mesh", "annotation"),
+        default="auto",
+        help="pod-failure: a Chaos Mesh PodChaos, or the pause annotation the test kubelet honours (default: "
+        "auto = chaos-mesh where PodChaos exists, else annotation where the pod's node honours it)",
+    )
+    p.add_argument(
+        "--grace-period",
+        type=int,
+        default=0,
+        help="pod-kill: the delete's grace period (default: 0, as Chaos Mesh)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the job to recover (default: 300)"
+    )
+    p.add_argument("--kubeconfig", help="default: $KUBECONFIG, else ~/.kube/config, else in-cluster")
+    p.add_argument("--context", help="kubeconfig context (default: the current one)")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    p.set_defaults(fn=cmd_chaos)
 
     data = sub.add_parser("data", help="data tools").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("generate", help="write synthetic data in Criteo TSV format")
@@ -316,7 +469,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def run_role(role: str, argv: list[str]) -> None:
+    """`ecrec coordinator|server|worker ARGS`: the process of one role, ARGS handed to its module's main.
+
+    The images' ENTRYPOINT, the operator's pods and `ecrec local` all start processes this way."""
+    import importlib
+
+    importlib.import_module(ROLE_MODULES[role]).main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ROLE_MODULES:  # before argparse: every other argument, --help too, is the role's
+        run_role(argv[0], argv[1:])
+        return
     args = build_parser().parse_args(argv)
     try:
         code = args.fn(args)

@@ -9,6 +9,7 @@ update is applied exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -21,11 +22,12 @@ import grpc
 import httpx
 import torch
 
+from ecrec import auth
 from ecrec.core.update import MapView, Part, StepUpdate
 from ecrec.evaluation import auc, logloss
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
-from ecrec.metrics import Metrics
+from ecrec.metrics import Metrics, latency_snapshot
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import GRPC_OPTIONS
@@ -120,7 +122,10 @@ class PSClient:
         self.progress_timeout = ctx.spec.coordinator.progress_timeout_seconds
         self.metrics = metrics or Metrics(ctx.name, "client")
         self.coordinator = coordinator.rstrip("/")
-        self.http = httpx.Client(timeout=15.0) if coordinator else None
+        self.http = httpx.Client(timeout=15.0, headers=auth.headers(ctx.token)) if coordinator else None
+        self._coordinator_log = 0.0
+        self._latency: dict[str, object] = {}  # method -> latency histogram child: no label lookup per call
+        self.degraded_rows: dict[str, dict[int, int]] = {"reads": {}, "writes": {}}
         self.channels: dict[int, grpc.Channel] = {}
         self.stubs: dict[int, pb_grpc.ParameterServerStub] = {}
         self.addresses: dict[int, str] = {}
@@ -164,7 +169,7 @@ class PSClient:
             if addr and self.addresses.get(shard) != addr:
                 if shard in self.channels:
                     self.channels[shard].close()
-                ch = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+                ch = auth.channel(addr, self.ctx.token, options=GRPC_OPTIONS)
                 self.channels[shard], self.stubs[shard], self.addresses[shard] = (
                     ch,
                     pb_grpc.ParameterServerStub(ch),
@@ -173,14 +178,31 @@ class PSClient:
 
     def refresh(self) -> None:
         if self.http is not None:
-            self.update_cluster(self.http.get(f"{self.coordinator}/cluster").json())
+            with self._no_coordinator("reading the cluster map"):
+                r = self.http.get(f"{self.coordinator}/cluster")
+                r.raise_for_status()
+                self.update_cluster(r.json())
 
     def report_failure(self, shard: int) -> None:
         """Tell the coordinator we could not reach `shard`; it probes, and we adopt the resulting map."""
         if self.http is None:
             raise RuntimeError(f"server {shard} is unreachable and this client has no coordinator")
-        r = self.http.post(f"{self.coordinator}/v1/failures", json={"shard": shard, "reporter": "client"})
-        self.update_cluster(r.json()["cluster"])
+        with self._no_coordinator(f"reporting server {shard} unreachable"):
+            r = self.http.post(f"{self.coordinator}/v1/failures", json={"shard": shard, "reporter": "client"})
+            r.raise_for_status()
+            self.update_cluster(r.json()["cluster"])
+
+    @contextlib.contextmanager
+    def _no_coordinator(self, what: str):
+        """A coordinator that does not answer is being replaced (docs/protocol.md, Coordinator failover):
+        the call is skipped and the caller's retry loop, bounded by progressTimeoutSeconds, asks again."""
+        try:
+            yield
+        except httpx.HTTPError as e:
+            now = time.monotonic()
+            if now - self._coordinator_log > 1.0:
+                log.warning("%s: no answer from the coordinator (%s); retrying", what, e)
+                self._coordinator_log = now
 
     def _recover_from(self, shard: int, err: grpc.RpcError) -> None:
         """React to a retryable error from `shard` before trying again."""
@@ -223,7 +245,35 @@ class PSClient:
         Blocking calls on a thread pool, not grpc's `.future()`: each `.future()` on an idle channel starts
         a polling thread, and measured on this project's 2-core machine a fan-out of unary calls costs about
         2.4x the client CPU that way (370 vs 150 µs per call)."""
-        return self._pool.submit(getattr(self.stubs[shard], method), request, timeout=self.timeout)
+        return self._pool.submit(self._timed_call, method, getattr(self.stubs[shard], method), request)
+
+    def _timed_call(self, method: str, call, request):
+        """One blocking RPC, its latency observed in ecrec_rpc_latency_seconds{method} (failures too)."""
+        start = time.perf_counter()
+        try:
+            return call(request, timeout=self.timeout)
+        finally:
+            hist = self._latency.get(method)
+            if hist is None:
+                hist = self._latency[method] = self.metrics.of(self.metrics.rpc_latency, method=method)
+            hist.observe(time.perf_counter() - start)
+
+    def _degraded(self, kind: str, shard: int, rows: int) -> None:
+        """Count rows of failed shard `shard` read by decoding (kind "reads") or written at their acting home
+        ("writes"): here, and in what the worker reports to the coordinator (report_counters)."""
+        counts = self.degraded_rows[kind]
+        counts[shard] = counts.get(shard, 0) + rows
+        metric = self.metrics.degraded_reads if kind == "reads" else self.metrics.degraded_writes
+        self.metrics.of(metric, shard=str(shard)).inc(rows)
+
+    def report_counters(self) -> dict:
+        """This process's degraded rows by failed shard and RPC latency by method, cumulative: the part of a
+        worker's progress report that the coordinator exports (ecrec.metrics.WorkerReports)."""
+        return {
+            "degradedReads": dict(self.degraded_rows["reads"]),
+            "degradedWrites": dict(self.degraded_rows["writes"]),
+            "rpcLatency": latency_snapshot(self.metrics),
+        }
 
     def _result(self, shard: int, method: str, fut: Future, timeout: float | None = None):
         try:
@@ -242,40 +292,41 @@ class PSClient:
         out = torch.empty(g.numel(), self.ctx.dim, dtype=torch.float32)
         todo = torch.arange(g.numel())
         retries = Retries(f"pull of {g.numel()} rows", self.progress_timeout)
-        with self.metrics.timed("Pull"):
-            while True:
-                calls = []
-                for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
-                    pos = todo[pos]
-                    if self.failed(s):  # degraded read at the parity servers
-                        pservers, _idx = self.ctx.placement.parity_of(s, self.ctx.placement.local_row(g[pos]))
-                        for p in pservers.unique().tolist():
-                            sub = pos[pservers == p]
-                            req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))
-                            calls.append((p, sub, self._call(p, "DegradedPull", req)))
-                    else:
-                        req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]))
-                        calls.append((s, pos, self._call(s, "Pull", req)))
-                retry, errors = [], []
-                for server, pos, fut in calls:
-                    try:
-                        resp = fut.result()
-                        out[pos] = torch.frombuffer(resp.rows, dtype=torch.float32).view(-1, self.ctx.dim)
-                    except grpc.RpcError as e:
-                        if not self.ft or e.code() not in RETRYABLE:
-                            raise ServerUnavailable(server, e) from e
-                        retry.append(pos)
-                        errors.append((server, e))
-                        retries.note(server, "Pull", e)
-                if not retry:
-                    return out
-                if len(retry) < len(calls):
-                    retries.progress()
-                retries.check()
-                for server, e in {s: e for s, e in errors}.items():
-                    self._recover_from(server, e)
-                time.sleep(retries.backoff())
-                todo = torch.cat(retry)
+        while True:
+            calls = []
+            for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
+                pos = todo[pos]
+                if self.failed(s):  # degraded read at the parity servers
+                    pservers, _idx = self.ctx.placement.parity_of(s, self.ctx.placement.local_row(g[pos]))
+                    for p in pservers.unique().tolist():
+                        sub = pos[pservers == p]
+                        req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))
+                        calls.append((p, sub, self._call(p, "DegradedPull", req), s))
+                else:
+                    req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]))
+                    calls.append((s, pos, self._call(s, "Pull", req), -1))
+            retry, errors = [], []
+            for server, pos, fut, src in calls:
+                try:
+                    resp = fut.result()
+                    out[pos] = torch.frombuffer(resp.rows, dtype=torch.float32).view(-1, self.ctx.dim)
+                    if src >= 0:
+                        self._degraded("reads", src, pos.numel())
+                except grpc.RpcError as e:
+                    if not self.ft or e.code() not in RETRYABLE:
+                        raise ServerUnavailable(server, e) from e
+                    retry.append(pos)
+                    errors.append((server, e))
+                    retries.note(server, "Pull", e)
+            if not retry:
+                return out
+            if len(retry) < len(calls):
+                retries.progress()
+            retries.check()
+            for server, e in {s: e for s, e in errors}.items():
+                self._recover_from(server, e)
+            time.sleep(retries.backoff())
+            todo = torch.cat(retry)
 
     def push_rows(self, g: torch.Tensor, grads: torch.Tensor, txn: str = "") -> Pending:
         """Foundation path (strategy none): apply at once, no retries."""
@@ -299,39 +350,38 @@ class PSClient:
         out = torch.empty(ctx.dense_numel, dtype=torch.float32)
         todo = list(range(ctx.num_servers))
         retries = Retries("pull of the dense parameters", self.progress_timeout)
-        with self.metrics.timed("PullDense"):
-            while True:
-                calls, retry, orphaned = [], [], False
-                for c in todo:
-                    targets = self.dense_targets(c)
-                    if not targets:
-                        orphaned = True
-                        # Both replicas lost: more than this job can rebuild. The coordinator fails the job
-                        # and names the shards; until it does (or a replacement comes), wait like any refusal.
-                        retries.note(-1, "PullDense", f"dense chunk {c} has no live replica")
-                        retry.append(c)
-                        continue
-                    req = pb.DensePullRequest(epoch=self.epoch, chunk=c)
-                    calls.append((targets[0], c, self._call(targets[0], "PullDense", req)))
-                for h, c, fut in calls:
-                    try:
-                        lo, hi = ctx.dense_bounds[c]
-                        out[lo:hi] = torch.frombuffer(fut.result().values, dtype=torch.float32)
-                    except grpc.RpcError as e:
-                        if not self.ft or e.code() not in RETRYABLE:
-                            raise ServerUnavailable(h, e) from e
-                        retries.note(h, "PullDense", e)
-                        self._recover_from(h, e)
-                        retry.append(c)
-                if not retry:
-                    return out
-                if len(retry) < len(todo):
-                    retries.progress()
-                retries.check()
-                if orphaned:
-                    self.refresh()  # a replica may be back: fetch the map
-                time.sleep(retries.backoff())
-                todo = retry
+        while True:
+            calls, retry, orphaned = [], [], False
+            for c in todo:
+                targets = self.dense_targets(c)
+                if not targets:
+                    orphaned = True
+                    # Both replicas lost: more than this job can rebuild. The coordinator fails the job
+                    # and names the shards; until it does (or a replacement comes), wait like any refusal.
+                    retries.note(-1, "PullDense", f"dense chunk {c} has no live replica")
+                    retry.append(c)
+                    continue
+                req = pb.DensePullRequest(epoch=self.epoch, chunk=c)
+                calls.append((targets[0], c, self._call(targets[0], "PullDense", req)))
+            for h, c, fut in calls:
+                try:
+                    lo, hi = ctx.dense_bounds[c]
+                    out[lo:hi] = torch.frombuffer(fut.result().values, dtype=torch.float32)
+                except grpc.RpcError as e:
+                    if not self.ft or e.code() not in RETRYABLE:
+                        raise ServerUnavailable(h, e) from e
+                    retries.note(h, "PullDense", e)
+                    self._recover_from(h, e)
+                    retry.append(c)
+            if not retry:
+                return out
+            if len(retry) < len(todo):
+                retries.progress()
+            retries.check()
+            if orphaned:
+                self.refresh()  # a replica may be back: fetch the map
+            time.sleep(retries.backoff())
+            todo = retry
 
     def push_dense(self, grad: torch.Tensor, txn: str = "") -> Pending:
         ctx, grad = self.ctx, grad.to("cpu", torch.float32)
@@ -416,6 +466,8 @@ class PSClient:
                 if outcome == "committed":
                     update.committed(part)
                     retries.progress()
+                    if part.src >= 0:
+                        self._degraded("writes", part.src, part.pos.numel())
                 elif outcome == "gone":
                     # It died (or was replaced) after staging: its staged records are gone, but its deltas
                     # are staged at the parity servers. Committing them applies the update exactly once —
@@ -715,7 +767,11 @@ class PSClient:
         in_flight = sum(v.numel() for v in pending.values() if v is not None)
         self.metrics.of(self.metrics.parity_checks, result="ok").inc(stripes - mismatches)
         self.metrics.of(self.metrics.parity_checks, result="mismatch").inc(mismatches)
-        return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}
+        result = {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}
+        if self.http is not None:  # the coordinator exports the result (ecrec_parity_check_*)
+            with self._no_coordinator("reporting the parity check"):
+                self.http.post(f"{self.coordinator}/v1/parity-checks", json=result).raise_for_status()
+        return result
 
 
 class _AllOf:

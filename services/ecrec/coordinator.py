@@ -12,6 +12,7 @@ that is not the registered one) is refused with 409 and the reason, and changes 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import threading
@@ -20,14 +21,17 @@ from dataclasses import dataclass, field
 
 import grpc
 import uvicorn
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from ecrec import auth
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
 from ecrec.core.recovery import RecoveryRecord, plan_recovery
-from ecrec.metrics import Metrics
+from ecrec.faults import configure as configure_faults
+from ecrec.faults import fault_point
+from ecrec.metrics import coordinator_metrics
 from ecrec.spec import Job, JobSpec
 
 log = logging.getLogger("ecrec.coordinator")
@@ -47,6 +51,9 @@ class Heartbeat(BaseModel):
     instance: str
     epoch: int = 0
     recovered: bool = False
+    # What a successor coordinator needs to admit a process its seed does not list (a rejoin).
+    incarnation: int = 0
+    metricsUrl: str = ""
 
 
 class StartRecovery(BaseModel):
@@ -63,12 +70,21 @@ class RegisterWorker(BaseModel):
     instance: str
     incarnation: int = 1  # 1 for the rank's first process, +1 for each replacement
     replacement: bool = False  # takes over a rank whose process was reported lost, resuming its steps
+    # A worker that registered with an earlier coordinator generation and is not in this one's seed.
+    rejoin: bool = False
+    step: int = 0
+    samples: int = 0
 
 
 class WorkerLost(BaseModel):
     rank: int
     instance: str  # the registered process that died
     replacing: bool = False  # a replacement will resume the rank's steps: the job waits for it
+
+
+class RpcLatency(BaseModel):
+    buckets: list[float]  # cumulative counts per bucket of ecrec.metrics.LATENCY_BUCKETS, then +Inf
+    sum: float
 
 
 class Progress(BaseModel):
@@ -80,8 +96,19 @@ class Progress(BaseModel):
     done: bool = False
     error: str | None = None
     lastStepAt: float | None = None  # wall-clock time the worker's latest step completed
+    # Counters of this worker process since it started (exported by the coordinator, ecrec.metrics):
+    degradedReads: dict[int, int] = {}  # failed shard -> rows read by decoding
+    degradedWrites: dict[int, int] = {}  # failed shard -> rows updated at their acting home
+    rpcLatency: dict[str, RpcLatency] = {}  # method -> its ecrec_rpc_latency_seconds buckets
 
 
+class ParityCheck(BaseModel):
+    stripes: int
+    mismatches: int
+    in_flight: int = 0
+
+
+MAX_SEEDED_EVENTS = 200  # the job's latest events a successor coordinator keeps
 EVENT_KINDS = ("server_killed", "worker_killed", "pod_deleted", "pod_replaced", "note")
 
 
@@ -154,23 +181,87 @@ class JobProgress:
 
 
 class Coordinator:
-    def __init__(self, job: Job, clock=time.time, probe=None):
+    """`generation` counts coordinator incarnations; a generation > 1 replaces a dead coordinator and starts
+    from `seed`, the `resume` part of its predecessor's last status (docs/protocol.md, Coordinator failover)."""
+
+    def __init__(
+        self,
+        job: Job,
+        clock=time.time,
+        probe=None,
+        generation: int = 1,
+        seed: dict | None = None,
+        token: str | None = None,
+    ):
         self.job, self.spec, self.clock = job, job.spec, clock
+        self.token = token  # the job token (ecrec.auth): demanded of mutating requests, sent to servers
         spec: JobSpec = job.spec
         self.lock = threading.RLock()
+        self.generation = generation
         self.cluster = ClusterMap(
             num_servers=spec.servers.replicas,
             failure_timeout=spec.coordinator.failure_timeout_seconds,
             recoverable=spec.fault_tolerance.strategy == "ecrec",
+            generation=generation,
         )
         self.progress = JobProgress(num_workers=spec.workers.replicas)
-        self.metrics = Metrics(job.name, "coordinator")
-        self.probe = probe or probe_server
+        self.metrics, self.reports = coordinator_metrics(job.name, self.metrics_state, spec.servers.replicas)
+        self.probe = probe or functools.partial(probe_server, token=token)
         self.failed_reason: str | None = None
         self.last_step_at: float | None = None  # when some worker last completed a step (stall detection)
         self.recoveries: list[RecoveryRecord] = []
         self._drivers: dict[int, threading.Thread] = {}
         self._stop = threading.Event()
+        if seed is not None:
+            self._restore(seed)
+
+    # -- failover ----------------------------------------------------------------------------------------
+    def resume_state(self) -> dict:
+        """What a successor needs to carry on after this process dies (`seed`); wall-clock times. The
+        launchers keep the latest copy (the operator in the ECRecJob's status.resume)."""
+        with self.lock:
+            p = self.progress
+            return {
+                "generation": self.generation,
+                **self.cluster.seed(),
+                "startedAt": p.started_at,
+                "finishedAt": p.finished_at,
+                "lastStepAt": self.last_step_at,
+                "workers": [
+                    {k: getattr(w, k) for k in ("rank", "instance", "incarnation", "step", "samples")}
+                    | {"done": w.done, "lost": w.lost}
+                    for w in sorted(p.workers.values(), key=lambda w: w.rank)
+                ],
+                "recoveries": [r.seed() for r in self.recoveries],
+                "events": p.events[-MAX_SEEDED_EVENTS:],
+            }
+
+    def _restore(self, seed: dict) -> None:
+        now = self.clock()
+        self.cluster.restore(seed, now)
+        p = self.progress
+        p.started_at = seed.get("startedAt")
+        p.finished_at = seed.get("finishedAt")
+        self.last_step_at = seed.get("lastStepAt")
+        for w in seed.get("workers", []):
+            rank = int(w["rank"])
+            if not 0 <= rank < p.num_workers:
+                raise Refused(f"seed lists worker rank {rank} outside [0, {p.num_workers})")
+            p.workers[rank] = WorkerProgress(
+                rank,
+                str(w.get("instance", "")),
+                int(w.get("incarnation", 1)),
+                int(w.get("step", 0)),
+                int(w.get("samples", 0)),
+                done=bool(w.get("done")),
+                lost=bool(w.get("lost")),
+            )
+        self.recoveries = [RecoveryRecord.restore(r) for r in seed.get("recoveries", [])]
+        p.events = [dict(e) for e in seed.get("events", [])][-MAX_SEEDED_EVENTS:]
+        if p.started_at is not None:
+            p.samples_log.append((now, p.total_samples))
+        p.event("coordinator_restored", now, generation=self.generation, epoch=self.cluster.epoch)
+        self._apply([])
 
     def open_recovery(self, shard: int) -> RecoveryRecord:
         """The record of the shard's current (not yet completed) failure, created if none is open."""
@@ -193,6 +284,10 @@ class Coordinator:
                 if self.cluster.recoverable:
                     rec = self.open_recovery(tr.shard)
                     rec.detected_at = rec.detected_at or tr.at
+            elif tr.kind == "rejoined" and self.cluster.shards[tr.shard].state is ShardState.RECOVERING:
+                # a replacement the seed did not know: its failure has a record here from now on
+                rec = self.open_recovery(tr.shard)
+                rec.detected_at = rec.detected_at or tr.at
         m.of(m.epoch).set(self.cluster.epoch)
         for state in ShardState:
             m.of(m.servers, state=state.value).set(sum(s.state is state for s in self.cluster.shards))
@@ -201,6 +296,7 @@ class Coordinator:
         out = self._register_server(req)
         with self.lock:
             self._maybe_start()
+        fault_point("coordinator:server_registered")
         return out
 
     def _register_server(self, req: RegisterServer) -> dict:
@@ -241,7 +337,49 @@ class Coordinator:
     def heartbeat(self, req: Heartbeat) -> dict:
         with self.lock:
             ok = self.cluster.heartbeat(req.shard, req.address, self.clock(), req.instance)
+            rejoin = not ok and self.cluster.restored and req.incarnation > 0
+        if rejoin:
+            ok = self._rejoin_server(req)
+        with self.lock:
             return {"ok": ok, "epoch": self.cluster.epoch, "cluster": self.cluster.snapshot()}
+
+    def _rejoin_server(self, req: Heartbeat) -> bool:
+        """A server this coordinator's seed does not list (it registered after the seed was written): admit
+        it if it is newer than the listed process and that process no longer answers."""
+
+        def rejoin(confirmed_dead: bool) -> None:
+            self._apply(
+                self.cluster.rejoin(
+                    req.shard,
+                    req.address,
+                    self.clock(),
+                    req.metricsUrl,
+                    instance=req.instance,
+                    incarnation=req.incarnation,
+                    recovered=req.recovered,
+                    confirmed_dead=confirmed_dead,
+                )
+            )
+            with self.lock:
+                self._maybe_start()
+
+        try:
+            with self.lock:
+                try:
+                    rejoin(False)
+                    return True
+                except ProbeFirst as first:
+                    holder = first
+            if self.probe(holder.address, holder.instance):
+                return False  # the listed process still serves: the newcomer is refused, as a registration is
+            with self.lock:
+                if self.cluster.shards[req.shard].instance != holder.instance:
+                    return False
+                rejoin(True)
+                return True
+        except Refused as e:
+            log.info("rejoin of shard %d refused: %s", req.shard, e)
+            return False
 
     def report_failure(self, req: FailureReport) -> dict:
         with self.lock:
@@ -263,7 +401,7 @@ class Coordinator:
             self._apply(self.cluster.tick(now))
             self.progress.sample(now)
             m = self.metrics
-            m.of(m.throughput).set(self.progress.recent_rate())
+            m.of(m.throughput).set(self.progress.recent_rate() if self.progress.finished_at is None else 0.0)
             if self.failed_reason is None and not self.finished:
                 self.failed_reason = self._why_stuck(now)
                 if self.failed_reason:
@@ -325,6 +463,8 @@ class Coordinator:
             if not req.instance:
                 raise Refused("instance: a registering worker must name itself")
             known = self.progress.workers.get(req.rank)
+            if req.rejoin:
+                return self._rejoin_worker(req, known)
             if known is not None and known.instance != req.instance:
                 if not (req.replacement and known.lost and not known.done):
                     raise Refused(
@@ -346,6 +486,33 @@ class Coordinator:
             # A replacement resumes the rank where its predecessor's last progress report ended.
             return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}}
 
+    def _rejoin_worker(self, req: RegisterWorker, known: WorkerProgress | None) -> dict:
+        """A worker that registered with an earlier generation: the seed lists it (its progress reports were
+        refused for another reason, or the seed is older than its registration) or lists an older process of
+        its rank. Its own count of steps is the truth; it never goes back."""
+        if not self.cluster.restored:
+            raise Refused(f"worker {req.rank}: only a coordinator that replaced another admits rejoins")
+        if known is not None and known.instance != req.instance:
+            if req.incarnation <= known.incarnation:
+                raise Refused(
+                    f"worker {req.rank}: incarnation {req.incarnation} is not newer than {known.incarnation}"
+                )
+            known.instance, known.incarnation, known.lost, known.done = (
+                req.instance,
+                req.incarnation,
+                False,
+                False,
+            )
+        w = self.progress.workers.setdefault(
+            req.rank, WorkerProgress(req.rank, req.instance, req.incarnation)
+        )
+        if req.step > w.step:
+            self.last_step_at = self.clock()
+        w.step, w.samples = max(w.step, req.step), max(w.samples, req.samples)
+        self.progress.event("worker_rejoined", self.clock(), worker=req.rank, step=w.step)
+        self._maybe_start()
+        return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}}
+
     def _maybe_start(self) -> None:
         """Training starts once every worker and every server has registered (pods start in any order)."""
         p = self.progress
@@ -355,9 +522,15 @@ class Coordinator:
             p.samples_log.append((now, 0))
             p.event("training_started", now)
 
-    def start_state(self) -> dict:
+    def start_state(self, rank: int | None = None, instance: str = "") -> dict:
+        """Has training started? With `rank` and `instance`, also whether that worker is registered here (a
+        worker waiting for the start re-registers when a new coordinator does not know it)."""
         with self.lock:
-            return {"started": self.progress.started_at is not None, "startedAt": self.progress.started_at}
+            out = {"started": self.progress.started_at is not None, "startedAt": self.progress.started_at}
+            if rank is not None:
+                w = self.progress.workers.get(rank)
+                out["registered"] = w is not None and w.instance == instance
+            return out
 
     def report_progress(self, req: Progress) -> dict:
         with self.lock:
@@ -366,6 +539,8 @@ class Coordinator:
                 raise Refused(f"worker {req.rank}: step {req.step} is behind its last report (step {w.step})")
             if req.loss is not None and not math.isfinite(req.loss):
                 raise HTTPException(400, "loss: must be a finite number or null")
+            latency = {k: v.model_dump() for k, v in req.rpcLatency.items()}
+            self.reports.check(req.degradedReads, req.degradedWrites, latency)
             if req.step > w.step:
                 self.last_step_at = self.clock()
             if req.lastStepAt is not None:
@@ -386,6 +561,7 @@ class Coordinator:
             w.step, w.samples, w.loss, w.done, w.error = req.step, req.samples, req.loss, req.done, req.error
             m = self.metrics
             m.of(m.samples).inc(delta)
+            self.reports.add(req.rank, req.instance, req.degradedReads, req.degradedWrites, latency)
             if req.error and self.failed_reason is None:  # the first reason is the cause; later ones follow
                 self.failed_reason = f"worker {req.rank}: {req.error}"
             if self.finished and self.progress.finished_at is None:
@@ -482,9 +658,10 @@ class Coordinator:
             self._apply(self.cluster.recovered(rec.shard, now))
             rec.state, rec.completed_at, rec.error = "completed", now, None
             self.progress.event("recovery_completed", now, shard=rec.shard, rows=rec.rows_recovered)
+            fault_point("coordinator:recovery_completed")
             m = self.metrics
             m.of(m.recoveries_completed).inc()
-            m.of(m.full_recovery).observe(now - (rec.detected_at or rec.started_at or now))
+            m.of(m.time_to_recover).observe(now - (rec.killed_at or rec.detected_at or rec.started_at or now))
 
     def _await_replacement(self, rec: RecoveryRecord, not_incarnation: int | None):
         deadline = time.monotonic() + self.spec.coordinator.recovery_timeout_seconds
@@ -501,7 +678,7 @@ class Coordinator:
         from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 
         kinds = {"dense": pb.DENSE, "data": pb.DATA, "parity": pb.PARITY}
-        with grpc.insecure_channel(address) as ch:
+        with auth.channel(address, self.token) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
             info = stub.Info(pb.InfoRequest(), timeout=30)
             plan = plan_recovery(
@@ -513,18 +690,58 @@ class Coordinator:
                 rec.started_at = rec.started_at or now
                 self.progress.event("recovery_started", now, shard=rec.shard)
                 self.metrics.of(self.metrics.recoveries_started).inc()
+            fault_point("coordinator:recovery_started")
             for step in plan:  # a retried plan repeats steps already done: they are no-ops (0 rows)
                 req = pb.RecoverRequest(
                     epoch=epoch, kind=kinds[step.kind], start=step.start, count=step.count
                 )
-                resp = stub.Recover(req, timeout=300)
+                with self.metrics.timed("Recover"):
+                    resp = stub.Recover(req, timeout=300)
+                fault_point(f"coordinator:recovered_{step.kind}")
                 with self.lock:
                     rec.steps_done += 1
                     if step.kind == "data":
-                        rec.rows_recovered += resp.rows
-                        self.metrics.of(self.metrics.rows_recovered).inc(resp.rows)
+                        # rows_total: a rebuild resumed after a failover finds its earlier steps done
+                        before = rec.rows_recovered
+                        rec.rows_recovered = max(rec.rows_recovered + resp.rows, resp.rows_total)
+                        rows = self.metrics.of(self.metrics.rows_recovered, shard=str(rec.shard))
+                        rows.inc(rec.rows_recovered - before)  # what the record counts, so the two agree
                     elif step.kind == "parity":
                         rec.parity_recovered += resp.rows
+
+    def metrics_state(self) -> dict:
+        """The job as the coordinator's scrape-time collector exports it (ecrec.metrics.JobCollector)."""
+        with self.lock:
+            workers = self.progress.workers.values()
+            recoveries = {}
+            for rec in self.recoveries:  # the latest record of each shard wins
+                groups = [s.kind != "dense" for s in rec.plan]
+                recoveries[rec.shard] = {
+                    "phase": rec.state,
+                    "lock_groups": sum(groups),
+                    "lock_groups_done": sum(groups[: rec.steps_done]),
+                    "rows": rec.rows_recovered,
+                }
+            return {
+                "step": min((w.step for w in workers), default=0),
+                "target_steps": self.spec.training.steps,
+                "losses": {w.rank: w.loss for w in workers if w.loss is not None and not w.lost},
+                "phase": self.phase(),
+                "shards": [(s.shard, s.state.value, s.incarnation) for s in self.cluster.shards],
+                "recoveries": recoveries,
+            }
+
+    def record_parity_check(self, req: ParityCheck) -> dict:
+        """A parity check's result (`ecrec verify`, `ecrec local` after training), for /metrics."""
+        if min(req.stripes, req.mismatches, req.in_flight) < 0 or req.mismatches > req.stripes:
+            raise HTTPException(400, "stripes, mismatches, in_flight: counts, mismatches <= stripes")
+        with self.lock:
+            m = self.metrics
+            m.of(m.parity_checks, result="ok").inc(req.stripes - req.mismatches)
+            m.of(m.parity_checks, result="mismatch").inc(req.mismatches)
+            m.of(m.parity_last_mismatches).set(req.mismatches)
+            m.of(m.parity_last_time).set(self.clock())
+            return {"ok": req.mismatches == 0}
 
     def recoveries_view(self) -> list[dict]:
         with self.lock:
@@ -556,6 +773,8 @@ class Coordinator:
             elapsed = (end - p.started_at) if p.started_at else 0.0
             return {
                 "job": self.job.name,
+                "generation": self.generation,
+                "resume": self.resume_state(),
                 "phase": self.phase(),
                 "reason": self.failed_reason,
                 "cluster": self.cluster.snapshot(),
@@ -591,23 +810,49 @@ class Coordinator:
         self._stop.set()
 
 
-def probe_server(address: str, instance: str = "", timeout: float = 1.0) -> bool:
+def probe_server(address: str, instance: str = "", timeout: float = 1.0, token: str | None = None) -> bool:
     """True if the parameter server process `instance` answers Info at `address` within `timeout`. Another
     process answering at that address (a replacement that took it over) means `instance` is gone."""
     from ecrec.proto import ecrec_pb2, ecrec_pb2_grpc
 
     if not address:
         return False
-    with grpc.insecure_channel(address) as ch:
+    with auth.channel(address, token) as ch:
         try:
             info = ecrec_pb2_grpc.ParameterServerStub(ch).Info(ecrec_pb2.InfoRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
+        except grpc.RpcError as e:
+            # A process that refuses our token is still there: never declare a live process dead.
+            return e.code() == grpc.StatusCode.UNAUTHENTICATED
     return not instance or info.instance == instance
 
 
+def load_seed(source: str) -> dict:
+    """A --resume argument: `env:VAR` (what the operator sets) or a JSON file (what ecrec local writes)."""
+    import json
+    import os
+    from pathlib import Path
+
+    if source.startswith("env:"):
+        text = os.environ.get(source[4:], "")
+        if not text:
+            raise SystemExit(f"--resume {source}: the variable is unset or empty")
+    else:
+        text = Path(source).read_text()
+    seed = json.loads(text)
+    if not isinstance(seed, dict):
+        raise SystemExit(f"--resume {source}: not a JSON object")
+    return seed
+
+
 def create_app(coord: Coordinator) -> FastAPI:
-    app = FastAPI(title="ecrec coordinator", version="v1")
+    async def require_token(request: Request) -> None:
+        # Reads stay open (probes, dashboards, scrapers); what changes the job needs the job token.
+        if request.method not in ("GET", "HEAD") and not auth.valid(
+            coord.token, request.headers.get(auth.HEADER)
+        ):
+            raise HTTPException(401, "this job's token is required")
+
+    app = FastAPI(title="ecrec coordinator", version="v1", dependencies=[Depends(require_token)])
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -655,8 +900,8 @@ def create_app(coord: Coordinator) -> FastAPI:
         return coord.register_worker(req)
 
     @app.get("/v1/workers/start")
-    def start() -> dict:
-        return coord.start_state()
+    def start(rank: int | None = None, instance: str = "") -> dict:
+        return coord.start_state(rank, instance)
 
     @app.post("/v1/workers/progress")
     def progress(req: Progress) -> dict:
@@ -673,6 +918,10 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.post("/recoveries")
     def start_recovery(req: StartRecovery) -> dict:
         return coord.start_recovery(req.shard)
+
+    @app.post("/v1/parity-checks")
+    def parity_checks(req: ParityCheck) -> dict:
+        return coord.record_parity_check(req)
 
     @app.get("/recoveries")
     def recoveries() -> list[dict]:
@@ -694,10 +943,28 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="also serve /metrics alone on this port (0: only on --port)",
     )
+    ap.add_argument(
+        "--generation",
+        type=int,
+        default=1,
+        help="this coordinator's incarnation: > 1 replaces a dead one and needs --resume",
+    )
+    ap.add_argument(
+        "--resume",
+        default="",
+        help="the dead coordinator's last status 'resume' part: a JSON file, or env:VAR",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    coord = Coordinator(JobContext.load(args.job).job)
+    configure_faults("coordinator")
+    if (args.generation > 1) != bool(args.resume):
+        ap.error(
+            "--generation > 1 and --resume go together: a replacement starts from its predecessor's state"
+        )
+    seed = load_seed(args.resume) if args.resume else None
+    ctx = JobContext.load(args.job)
+    coord = Coordinator(ctx.job, generation=args.generation, seed=seed, token=ctx.token)
     if args.metrics_port:
         coord.metrics.serve(args.metrics_port, args.host)
     coord.run_ticker()

@@ -11,13 +11,16 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ecrec.model import counter_uniform, splitmix64
+
+if TYPE_CHECKING:
+    from ecrec.spec import JobSpec
 
 # Seed streams: training batch i uses (_TRAIN, i), the held-out split (_EVAL, 0); the teacher hashes with
 # its own salt. Distinct streams mean the eval split never replays a training batch.
@@ -311,6 +314,95 @@ class CriteoFileData:
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         yield from _slices(self.held_out, batch_size)
+
+
+CHECK_LINES = 1000  # lines of each file that check_data reads: a wrong format shows in the first lines
+
+
+def check_data(spec: JobSpec, lines: int = CHECK_LINES) -> list[str]:
+    """What is wrong with the job's training data, found before any process starts (empty when nothing).
+
+    For `data.source: criteo`, each of `data.paths` (relative to the current directory, as the processes
+    open them) must be a readable file, and its first `lines` lines must parse as `CriteoFileData` reads
+    them: 1 + numDense + one column per table, tab-separated; label 0 or 1; integer counts; hexadecimal
+    categorical ids; empty fields allowed. One problem per file at most (its first bad line), each naming
+    the file and the line, e.g. `spec.data.paths[0]: day_0.tsv:3: label must be 0 or 1, got '2'`.
+    Synthetic data has nothing to check.
+    """
+    if spec.data.source != "criteo":
+        return []
+    m = spec.model_config_resolved()
+    out: list[str] = []
+    samples = 0
+    for i, path in enumerate(spec.data.paths):
+        problem, n = _check_criteo_file(path, m.num_dense, len(m.table_sizes), lines)
+        samples += n
+        if problem:
+            out.append(f"spec.data.paths[{i}]: {problem}")
+    if spec.data.paths and not out and samples == 0:
+        out.append(f"spec.data.paths: no samples in {', '.join(spec.data.paths)} (every file is empty)")
+    return out
+
+
+def _check_criteo_file(path: str, num_dense: int, num_tables: int, lines: int) -> tuple[str | None, int]:
+    """(the first problem of `path`'s first `lines` lines or None, the samples seen among them)."""
+    width = 1 + num_dense + num_tables
+    samples = 0
+    try:
+        with open(path, "rb") as f:  # bytes: a compressed or binary file is named as such, not a traceback
+            for lineno, raw in enumerate(f, start=1):
+                if lineno > lines:
+                    break
+                try:
+                    line = raw.decode("ascii").rstrip("\r\n")
+                except UnicodeDecodeError:
+                    hint = " (gzip-compressed? decompress it first)" if raw.startswith(b"\x1f\x8b") else ""
+                    return f"{path}:{lineno}: not ASCII text{hint}", samples
+                if not line:
+                    continue  # the reader skips empty lines
+                parts = line.split("\t")
+                if len(parts) != width:
+                    return (
+                        f"{path}:{lineno}: expected {width} tab-separated columns (label, {num_dense} "
+                        f"integer, {num_tables} categorical), got {len(parts)}",
+                        samples,
+                    )
+                bad = _bad_field(parts, num_dense)
+                if bad:
+                    return f"{path}:{lineno}: {bad}", samples
+                samples += 1
+    except FileNotFoundError:
+        return f"{path}: no such file", samples
+    except IsADirectoryError:
+        return f"{path}: is a directory, not a Criteo TSV file", samples
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or e}", samples
+    return None, samples
+
+
+def _bad_field(parts: list[str], num_dense: int) -> str | None:
+    """What CriteoFileData would refuse in one line's fields (the same int() parses), or None."""
+    if parts[0] not in ("", "0", "1"):
+        try:
+            label_ok = int(parts[0]) in (0, 1)
+        except ValueError:
+            label_ok = False
+        if not label_ok:
+            return f"label must be 0 or 1, got {parts[0]!r}"
+    for col in range(1, len(parts)):
+        x = parts[col]
+        if not x:
+            continue  # a missing value reads as 0
+        dense = col <= num_dense
+        name = f"I{col}" if dense else f"C{col - num_dense}"
+        try:
+            v = int(x, 10 if dense else 16)
+        except ValueError:
+            what = "an integer" if dense else "a hexadecimal id"
+            return f"column {name} is not {what}: {x!r}"
+        if dense and not -(2**63) <= v < 2**63:
+            return f"column {name} is out of the int64 range: {x!r}"
+    return None
 
 
 def make_data_source(

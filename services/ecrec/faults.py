@@ -7,7 +7,10 @@ respawned replacement does not kill itself again. Unset, a fault point costs one
 
 Points (docs/protocol.md): on a server stage:after_local, commit:after_apply, delta:after_stage,
 decide:after_apply, acting:after_stage, recover:mid_group, recover:after_group; on a worker
-worker:after_stage, worker:before_commit, worker:mid_commit, worker:before_decide.
+worker:after_stage, worker:before_commit, worker:mid_commit, worker:before_decide; on the coordinator
+(process `coordinator`) coordinator:server_registered (a server admitted, before the answer),
+coordinator:recovery_started, coordinator:recovered_{dense,data,parity} (after each
+Recover step of that kind), coordinator:recovery_completed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ POINTS = (
     "worker:before_commit",
     "worker:mid_commit",
     "worker:before_decide",
+    "coordinator:server_registered",
+    "coordinator:recovery_started",
+    "coordinator:recovered_dense",
+    "coordinator:recovered_data",
+    "coordinator:recovered_parity",
+    "coordinator:recovery_completed",
 )
 
 _process = ""
@@ -35,7 +44,7 @@ _hits = 0
 
 
 def configure(process: str) -> None:
-    """Name this process (server-1, worker-0) and read ECREC_FAULT_POINT."""
+    """Name this process (server-1, worker-0, coordinator) and read ECREC_FAULT_POINT."""
     global _process, _target, _hits
     _process, _target, _hits = process, None, 0
     spec = os.environ.get("ECREC_FAULT_POINT", "")

@@ -22,6 +22,7 @@ import grpc
 import httpx
 import torch
 
+from ecrec import auth
 from ecrec.jobctx import JobContext
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
@@ -63,7 +64,7 @@ class Fuzzer:
     def __init__(self, ctx: JobContext, coordinator: str, seed: int = 0, timeout: float = 1.0):
         self.ctx, self.url, self.timeout = ctx, coordinator.rstrip("/"), timeout
         self.rng = random.Random(seed)
-        self.http = httpx.Client(timeout=10.0)
+        self.http = httpx.Client(timeout=10.0, headers=auth.headers(ctx.token))
         self.stubs: dict[str, pb_grpc.ParameterServerStub] = {}
         self.channels: list[grpc.Channel] = []
         self.answers: Counter[tuple[str, str]] = Counter()  # (method or endpoint, status) -> count
@@ -73,7 +74,7 @@ class Fuzzer:
     def _stub(self, shard: int) -> pb_grpc.ParameterServerStub:
         addr = self.cluster["shards"][shard]["address"]
         if addr not in self.stubs:
-            ch = grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+            ch = auth.channel(addr, self.ctx.token, options=GRPC_OPTIONS)
             self.channels.append(ch)
             self.stubs[addr] = pb_grpc.ParameterServerStub(ch)
         return self.stubs[addr]
@@ -313,7 +314,9 @@ def fuzz_while_training(
             stop.set()  # the stray requests are about training; the report's reads come after
         if "thread" in state or status.get("startedAt") is None:
             return
-        fuzzer = Fuzzer(ctx, cluster.coordinator_url, seed)
+        # The launcher's context carries the job token: these strays come from inside the job (stale or
+        # confused processes), which the token cannot keep out; outsiders are refused before any of this.
+        fuzzer = Fuzzer(cluster.ctx, cluster.coordinator_url, seed)
         state["fuzzer"] = fuzzer
         state["thread"] = threading.Thread(
             target=fuzzer.run, args=(count, rate, stop), daemon=True, name="fuzz"

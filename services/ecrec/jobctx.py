@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from ecrec import auth
 from ecrec.core.optim import RowOptimizer, make_optimizer
 from ecrec.core.placement import Placement, chunk_bounds, dense_replicas
 from ecrec.model import ModelConfig, dense_numel
@@ -23,6 +24,8 @@ from ecrec.spec import Job, JobSpec, job_from_dict
 @dataclass(frozen=True)
 class JobContext:
     job: Job
+    # The job token (ecrec.auth): what this process sends with its calls and, as a server, demands.
+    token: str | None = field(default_factory=auth.from_env, compare=False, repr=False)
 
     @property
     def name(self) -> str:

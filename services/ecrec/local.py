@@ -10,6 +10,7 @@ PR_SET_PDEATHSIG even if the launcher is SIGKILLed.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import platform
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from ecrec.core.reconcile import Action, Observed, Proc, reconcile
+from ecrec import auth
+from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.jobctx import JobContext
 
 PR_SET_PDEATHSIG = 1
@@ -39,6 +41,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def ecrec_command(role: str) -> list[str]:
+    """The argv that starts a `role` process: `ecrec ROLE`, the console script the images' ENTRYPOINT and the
+    operator's pods run, from this interpreter's environment (its bin/ need not be on PATH); without the
+    script (a source checkout that was never installed) the same code through `python -m ecrec.cli`."""
+    script = Path(sys.executable).with_name("ecrec")  # not resolved: a venv's python is a symlink
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script), role]
+    return [sys.executable, "-m", "ecrec.cli", role]
 
 
 def free_port() -> int:
@@ -100,7 +112,15 @@ class LocalCluster:
         (self.out_dir / "logs").mkdir(exist_ok=True)
         self.job_file = self.out_dir / "job.json"
         self.job_file.write_text(self.ctx.to_json())
-        self.http = httpx.Client(timeout=10.0)
+        # The job's token (ecrec.auth): every process gets it by env, the launcher's own calls carry it.
+        if self.ctx.token is None:
+            self.ctx = dataclasses.replace(self.ctx, token=auth.new_token())
+        self.env[auth.ENV] = self.ctx.token
+        token_file = self.out_dir / "job.token"  # for `ecrec verify --token-file`; only for this user
+        token_file.touch(mode=0o600)
+        token_file.chmod(0o600)
+        token_file.write_text(self.ctx.token)
+        self.http = httpx.Client(timeout=10.0, headers=auth.headers(self.ctx.token))
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(
@@ -111,7 +131,7 @@ class LocalCluster:
             args = (*args, "--instance", instance)
         child = Child(
             name,
-            [sys.executable, "-m", module, *args],
+            [*ecrec_command(module.rsplit(".", 1)[-1]), *args],
             self.out_dir / "logs" / f"{name}.log",
             role=role,
             index=index,
@@ -208,11 +228,15 @@ class LocalCluster:
         r.raise_for_status()
         return r.json()
 
-    def _wait(self, what: str, ready, timeout: float, watch: list[Child]) -> None:
+    def _wait(self, what: str, ready, timeout: float, watch: list[Child], on_coordinator_lost=None) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             for c in watch:
+                c = self.children.get(c.name, c)  # the current process of that name
                 if c.proc is not None and c.proc.poll() is not None:
+                    if c.role == "coordinator" and on_coordinator_lost is not None:
+                        on_coordinator_lost()  # replaced like during training; the others rejoin it
+                        continue
                     raise JobFailed(
                         f"{c.name} exited with code {c.proc.returncode} while waiting for {what}:\n"
                         f"{c.log_tail()}"
@@ -225,22 +249,41 @@ class LocalCluster:
             time.sleep(0.1)
         raise JobFailed(f"timed out after {timeout:.0f}s waiting for {what}")
 
-    def start(self, timeout: float = 120.0) -> None:
-        port = free_port()
-        self.coordinator_url = f"http://127.0.0.1:{port}"
-        coord = self.spawn(
+    def spawn_coordinator(self, incarnation: int = 1, generation: int = 1, seed: dict | None = None) -> Child:
+        """The coordinator, always on the same port: servers and workers keep its URL across a failover, as
+        they keep a Service's name on Kubernetes. A replacement starts from `seed` (docs/protocol.md)."""
+        extra: list[str] = []
+        if seed is not None:
+            path = self.out_dir / f"coordinator-{incarnation}.resume.json"
+            path.write_text(json.dumps(seed))
+            extra = ["--generation", str(generation), "--resume", str(path)]
+        return self.spawn(
             "coordinator",
             "ecrec.coordinator",
             "--job",
             str(self.job_file),
             "--port",
-            str(port),
+            self.coordinator_url.rsplit(":", 1)[1],
+            *extra,
             role="coordinator",
+            incarnation=incarnation,
         )
+
+    def start(self, timeout: float = 120.0, on_coordinator_lost=None) -> None:
+        """Start the coordinator, the servers, and once they registered the workers. `on_coordinator_lost`
+        replaces a coordinator that dies meanwhile (without it, that fails the start)."""
+        self.coordinator_url = f"http://127.0.0.1:{free_port()}"
+        coord = self.spawn_coordinator()
         self._wait("the coordinator", lambda: self.get("/healthz")["ok"], timeout, [coord])
         (self.out_dir / "coordinator.url").write_text(self.coordinator_url)
         servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
-        self._wait("servers to register", lambda: self.get("/cluster")["ready"], timeout, [coord, *servers])
+        self._wait(
+            "servers to register",
+            lambda: self.get("/cluster")["ready"],
+            timeout,
+            [coord, *servers],
+            on_coordinator_lost,
+        )
         for rank in range(self.ctx.spec.workers.replicas):
             self.spawn_worker(rank)
 
@@ -271,10 +314,18 @@ class Supervisor:
         self.rng = random.Random(seed)
         self.next_chaos: tuple[int, float] | None = None
         self.respawns = 0
+        self.resume: dict | None = None  # the coordinator's state as of its last status: a successor's seed
+        self.events: list[dict] = []  # events for the coordinator, not yet delivered
+        self.started_at: float | None = None
 
-    def tick(self, cluster: LocalCluster, status: dict) -> None:
-        if status.get("startedAt") is not None and status["phase"] not in ("Succeeded", "Failed"):
-            self._kill_due(cluster, status)
+    def tick(self, cluster: LocalCluster, status: dict | None) -> None:
+        """One pass; `status` is None while no coordinator answers."""
+        if status is not None:
+            self.resume = status.get("resume") or self.resume
+            self.started_at = status.get("startedAt")
+            if self.started_at is not None and status["phase"] not in ("Succeeded", "Failed"):
+                self._kill_due(cluster, status)
+            self._post_events(cluster)
         self.reconcile(cluster, status)
 
     def _kill_due(self, cluster: LocalCluster, status: dict) -> None:
@@ -287,13 +338,27 @@ class Supervisor:
             due.append(self.next_chaos)
             self.next_chaos = None
             self.chaos_left -= 1
-        for shard, _at in due:
-            if (shard, _at) in self.kills:
-                self.kills.remove((shard, _at))
-            name = f"server-{shard}"
+        for target, _at in due:
+            if (target, _at) in self.kills:
+                self.kills.remove((target, _at))
+            if target == "coordinator":
+                if cluster.children["coordinator"].alive:
+                    cluster.kill("coordinator")
+                continue
+            name = f"server-{target}"
             if cluster.children[name].alive:
                 cluster.kill(name)
-                cluster.post("/v1/events", {"kind": "server_killed", "shard": shard, "at": time.time()})
+                self.events.append({"kind": "server_killed", "shard": target, "at": time.time()})
+        self._post_events(cluster)
+
+    def _post_events(self, cluster: LocalCluster) -> None:
+        """What the supervisor did, told to the coordinator; kept until one answers (it may be dead too)."""
+        while self.events:
+            try:
+                cluster.post("/v1/events", self.events[0])
+            except httpx.HTTPError:
+                return
+            self.events.pop(0)
 
     def reconcile(self, cluster: LocalCluster, status: dict | None) -> None:
         ctx = cluster.ctx
@@ -320,7 +385,13 @@ class Supervisor:
                 raise JobFailed(f"job failed: {reason}")
             dead = [c for c in cluster.history if (c.role, c.index) == (a.role, a.index) and not c.alive]
             raise JobFailed(f"job failed: {a.reason}" + (f":\n{dead[-1].log_tail()}" if dead else ""))
-        if a.kind == "create" and a.role == "server":
+        if a.kind == "create" and a.role == "coordinator":
+            if a.replacement:
+                generation, seed = coordinator_seed(self.resume, cluster.observe(), a.incarnation)
+                cluster.spawn_coordinator(a.incarnation, generation, seed)
+            else:
+                cluster.spawn_coordinator(a.incarnation)
+        elif a.kind == "create" and a.role == "server":
             cluster.spawn_server(a.index, a.incarnation, a.replacement)
         elif a.kind == "create" and a.role == "worker":
             cluster.spawn_worker(a.index, a.incarnation, a.replacement)
@@ -372,6 +443,7 @@ def run_local(
     if rebuild_error and not ctx.spec.training.deterministic:
         raise ValueError("rebuild_error needs training.deterministic: true (it compares with a rerun)")
     cluster = LocalCluster(ctx, out_dir)
+    ctx = cluster.ctx  # with the job token
     cluster.env.update(env or {})
     if rebuild_error:
         decoded = out_dir / "rebuild-error" / "decoded"
@@ -386,14 +458,14 @@ def run_local(
     total = spec.training.steps * spec.workers.replicas * spec.training.batch_size
     supervisor = Supervisor(kills, chaos, seed)
 
-    def tick(cl: LocalCluster, status: dict) -> None:
+    def tick(cl: LocalCluster, status: dict | None) -> None:
         supervisor.tick(cl, status)
-        if on_tick is not None:
+        if on_tick is not None and status is not None:
             on_tick(cl, status)
 
     extra: dict = {}
     try:
-        cluster.start(timeout=start_timeout)
+        cluster.start(timeout=start_timeout, on_coordinator_lost=lambda: supervisor.reconcile(cluster, None))
         status = _watch(cluster, total, progress, tick)
         if ctx.ecrec:
             _wait_recovered(cluster, supervisor)
@@ -406,6 +478,7 @@ def run_local(
             digest = client.params_sha256()
             if ctx.ecrec:
                 extra["parity_check"] = client.parity_check()
+                cluster.post("/v1/parity-checks", extra["parity_check"])  # for the coordinator's /metrics
                 extra["staged_after"] = sum(client.staged_counts())
                 extra["dense_replica_mismatches"] = client.dense_replica_mismatches()
         finally:
@@ -488,12 +561,24 @@ def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: floa
     """Training may end before a recovery does: the report's checks need every shard rebuilt."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        status = cluster.get("/v1/status")
-        if _all_recovered(status) and all(r["state"] == "completed" for r in status["recoveries"]):
+        status = _status(cluster)
+        if (
+            status is not None
+            and _all_recovered(status)
+            and all(r["state"] == "completed" for r in status["recoveries"])
+        ):
             return
-        supervisor.reconcile(cluster, status)  # a replacement may die after training ended
+        supervisor.tick(cluster, status)  # a replacement (or the coordinator) may die after training ended
         time.sleep(0.2)
     raise JobFailed("timed out waiting for recoveries to complete after training")
+
+
+def _status(cluster: LocalCluster) -> dict | None:
+    """The coordinator's status, or None while it does not answer (killed, or its successor starting)."""
+    try:
+        return cluster.get("/v1/status")
+    except httpx.HTTPError:
+        return None
 
 
 def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -> dict:
@@ -511,7 +596,12 @@ def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -
     with bar:
         task = bar.add_task("training", total=total_samples, rate="-", phase="Pending")
         while True:
-            status = cluster.get("/v1/status")
+            status = _status(cluster)
+            if status is None:  # no coordinator: it is being replaced (the supervisor starts the next one)
+                if on_tick is not None:
+                    on_tick(cluster, None)
+                time.sleep(0.25)
+                continue
             bar.update(
                 task,
                 completed=status["samples"],

@@ -25,11 +25,11 @@ import grpc
 import httpx
 import torch
 
-from ecrec import faults
+from ecrec import auth, faults
 from ecrec.core.txn import DeltaBatch, RowsBusy
 from ecrec.core.update import parse_txn
 from ecrec.jobctx import JobContext
-from ecrec.metrics import Metrics
+from ecrec.metrics import Metrics, StoreCollector
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
@@ -67,11 +67,11 @@ def new_instance() -> str:
 class ClusterView:
     """This process's copy of the cluster map (addresses and states by shard id)."""
 
-    def __init__(self, coordinator: str = "", snapshot: dict | None = None):
+    def __init__(self, coordinator: str = "", snapshot: dict | None = None, token: str | None = None):
         self.url = coordinator.rstrip("/")
         self.lock = threading.Lock()
         self.snapshot = snapshot or {"epoch": 0, "shards": []}
-        self.http = httpx.Client(timeout=5.0) if coordinator else None
+        self.http = httpx.Client(timeout=5.0, headers=auth.headers(token)) if coordinator else None
         self._refresh_lock = threading.Lock()
         self._refreshed_at = 0.0
 
@@ -134,8 +134,11 @@ class ClusterView:
 class GrpcPeers:
     """`Peers` over gRPC, fanning requests to several servers out as futures."""
 
-    def __init__(self, view: ClusterView, me: int, metrics: Metrics, timeout: float = 10.0):
+    def __init__(
+        self, view: ClusterView, me: int, metrics: Metrics, timeout: float = 10.0, token: str | None = None
+    ):
         self.view, self.me, self.metrics, self.timeout = view, me, metrics, timeout
+        self.token = token
         self._stubs: dict[str, pb_grpc.ParameterServerStub] = {}
         self._lock = threading.Lock()
         # Blocking calls on a pool rather than grpc's .future(): cheaper in CPU (see PSClient._call).
@@ -150,7 +153,7 @@ class GrpcPeers:
         with self._lock:
             if addr not in self._stubs:
                 self._stubs[addr] = pb_grpc.ParameterServerStub(
-                    grpc.insecure_channel(addr, options=GRPC_OPTIONS)
+                    auth.channel(addr, self.token, options=GRPC_OPTIONS)
                 )
             return self._stubs[addr]
 
@@ -439,6 +442,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         decisions = self._decisions(request.decisions)
         staged = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch, decisions)
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
+        if request.src != -1:  # rows of failed shard src, written at this acting home
+            self.metrics.of(self.metrics.degraded_writes, shard=str(request.src)).inc(staged.rows)
         return pb.StageResponse(staged=staged.rows, deltas=[delta_message(b) for b in staged.batches])
 
     @rpc("Commit", check_epoch=False)
@@ -529,7 +534,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         g = bytes_to_ids(request.ids)
         rows = self.store.degraded_pull(request.src, g)
         m = self.metrics
-        m.of(m.degraded_reads).inc(g.numel())
+        m.of(m.degraded_reads, shard=str(request.src)).inc(g.numel())
         return pb.PullResponse(rows=floats_to_bytes(rows))
 
     def _recovering(self, shard: int, instance: str | None = None) -> bool:
@@ -571,7 +576,9 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             n = s.rebuild_parity(index)
         else:
             n = s.copy_dense()
-        return pb.RecoverResponse(rows=n, seconds=time.perf_counter() - start)
+        return pb.RecoverResponse(
+            rows=n, seconds=time.perf_counter() - start, rows_total=s.stats["rows_recovered"]
+        )
 
     @rpc("CopyDense", check_epoch=False)
     def CopyDense(self, request, context):
@@ -590,32 +597,14 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         )
 
 
-class StoreCollector:
-    """Exposes the store's own counters (rows queued behind a lock, degraded rows, rows rebuilt) at scrape time."""
-
-    def __init__(self, store: ShardStore, labels: dict[str, str]):
-        self.store, self.labels = store, labels
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        names = list(self.labels)
-        values = [self.labels[n] for n in names]
-        for key, name, doc in (
-            ("buffered", "ecrec_server_buffered_updates", "Requests that waited for busy or locked rows"),
-            ("degraded_rows", "ecrec_server_degraded_rows", "Rows served or written for a failed shard"),
-            ("rows_recovered", "ecrec_server_rows_rebuilt", "Rows this replacement rebuilt"),
-        ):
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, self.store.stats[key])
-            yield c
-        g = GaugeMetricFamily("ecrec_server_staged", "Undecided 2PC state on this server", labels=names)
-        g.add_metric(values, self.store.staged_count())
-        yield g
-
-
-def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 64) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS)
+def start_grpc(
+    servicer: ParameterServicer, bind: str, threads: int = 64, token: str | None = None
+) -> tuple[grpc.Server, int]:
+    """Serve `servicer` on `bind`; with a job `token`, every call must carry it (ecrec.auth)."""
+    interceptors = [auth.RequireToken(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS, interceptors=interceptors
+    )
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     port = server.add_insecure_port(bind)
     if port == 0:
@@ -627,10 +616,20 @@ def start_grpc(servicer: ParameterServicer, bind: str, threads: int = 64) -> tup
 class CoordinatorLink:
     """Registration and heartbeats of one server; exits the process if the coordinator disowns it."""
 
-    def __init__(self, url: str, shard: int, address: str, metrics_url: str, interval: float, instance: str):
+    def __init__(
+        self,
+        url: str,
+        shard: int,
+        address: str,
+        metrics_url: str,
+        interval: float,
+        instance: str,
+        token: str | None = None,
+    ):
         self.url, self.shard, self.address, self.metrics_url = url.rstrip("/"), shard, address, metrics_url
         self.interval, self.instance = interval, instance
-        self.http = httpx.Client(timeout=5.0)
+        self.incarnation = 0  # as the coordinator counted it at registration: what a rejoin claims
+        self.http = httpx.Client(timeout=5.0, headers=auth.headers(token))
 
     def register(self, replacement: bool, deadline_s: float = 60.0) -> dict:
         end = time.monotonic() + deadline_s
@@ -656,7 +655,9 @@ class CoordinatorLink:
                     time.sleep(1.0)
                     continue
                 r.raise_for_status()
-                return r.json()
+                body = r.json()
+                self.incarnation = int(body["cluster"]["shards"][self.shard].get("incarnation", 0))
+                return body
             except httpx.HTTPError:
                 if time.monotonic() > end:
                     raise
@@ -674,6 +675,9 @@ class CoordinatorLink:
                         "instance": self.instance,
                         "epoch": store.epoch,
                         "recovered": store.replacement and store.recovery_done(),
+                        # so that a coordinator replacing a dead one can admit this process (a rejoin)
+                        "incarnation": self.incarnation,
+                        "metricsUrl": self.metrics_url,
                     },
                 )
                 r.raise_for_status()
@@ -689,10 +693,16 @@ class CoordinatorLink:
             servicer.view.update(body["cluster"])
             store.epoch = max(store.epoch, int(body["epoch"]))
             servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
-            try:
-                store.expire()
-            except Exception:  # noqa: BLE001 - an abort that cannot reach a peer is retried next beat
-                log.exception("expiring stale transactions failed")
+
+
+def expire_forever(store, interval: float, stop: threading.Event) -> None:
+    """Settle transactions whose worker went silent (ShardStore.expire), on a thread of its own: settling
+    calls peers and the coordinator with long timeouts, and must never hold up the heartbeats."""
+    while not stop.wait(interval):
+        try:
+            store.expire()
+        except Exception:  # noqa: BLE001 - an abort that cannot reach a peer is retried next time
+            log.exception("expiring stale transactions failed")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -722,8 +732,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(ctx.spec.servers.threads)
     t0 = time.perf_counter()
     metrics = Metrics(ctx.name, "server", str(args.shard))
-    view = ClusterView(args.coordinator if not args.standalone else "")
-    peers = GrpcPeers(view, args.shard, metrics)
+    view = ClusterView(args.coordinator if not args.standalone else "", token=ctx.token)
+    peers = GrpcPeers(view, args.shard, metrics, token=ctx.token)
     ec = ctx.spec.fault_tolerance.ecrec
     store = ShardStore(
         ctx, args.shard, peers, replacement=args.replacement, txn_timeout=ec.txn_timeout_seconds
@@ -731,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics.registry.register(StoreCollector(store, metrics.labels))
     metrics_port = metrics.serve(args.metrics_port, args.metrics_addr)
     servicer = ParameterServicer(store, metrics, view, instance=args.instance or new_instance())
-    server, port = start_grpc(servicer, args.bind)
+    server, port = start_grpc(servicer, args.bind, token=ctx.token)
     host = args.bind.rsplit(":", 1)[0]
     address = args.advertise or f"{host}:{port}"
     log.info(
@@ -758,6 +768,7 @@ def main(argv: list[str] | None = None) -> None:
             metrics_url,
             ctx.spec.coordinator.heartbeat_interval_seconds,
             servicer.instance,
+            token=ctx.token,
         )
         try:
             body = link.register(args.replacement)
@@ -768,6 +779,9 @@ def main(argv: list[str] | None = None) -> None:
         view.update(body["cluster"])
         store.epoch = int(body["epoch"])
         threading.Thread(target=link.heartbeat_forever, args=(servicer, stop), daemon=True).start()
+        threading.Thread(
+            target=expire_forever, args=(store, link.interval, stop), daemon=True, name="expire"
+        ).start()
     while not stop.wait(0.5):  # a bounded wait keeps the main thread responsive to signals
         pass
     server.stop(grace=1.0).wait()

@@ -963,6 +963,22 @@ class JobStatus(_Status):
             }
         ),
     ] = None
+    coordinator_incarnation: int | None = Field(
+        default=None,
+        ge=1,
+        description="Incarnation of the latest coordinator pod the operator created; a later one replaces it",
+    )
+    resume: Annotated[
+        dict[str, Any] | None,
+        WithJsonSchema(
+            {
+                "type": "object",
+                "x-kubernetes-preserve-unknown-fields": True,
+                "description": "The coordinator's state as of its last status (cluster map, progress per rank, "
+                "recoveries): what a replacement coordinator starts from if this one is lost. Opaque",
+            }
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _fill_texts(self) -> JobStatus:

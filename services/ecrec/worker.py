@@ -22,7 +22,7 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from ecrec import faults
+from ecrec import auth, faults
 from ecrec.client import Pending, PSClient, ServerUnavailable, Stalled
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
@@ -149,15 +149,88 @@ class _FutureWait:
         self.fut.result()
 
 
+class CoordinatorLink:
+    """A worker's calls to the coordinator. The coordinator is not on the training path, so while none
+    answers (a dead one being replaced) the worker keeps training and these calls are retried; a new
+    coordinator that does not know this process yet is told who it is (a rejoin: rank, incarnation, steps)."""
+
+    def __init__(
+        self, url: str, rank: int, instance: str, incarnation: int, patience: float, token: str | None = None
+    ):
+        self.url, self.rank, self.instance, self.incarnation = url.rstrip("/"), rank, instance, incarnation
+        self.patience = patience  # how long to keep trying before the worker gives up
+        self.http = httpx.Client(timeout=10.0, headers=auth.headers(token))
+        self._last_log = 0.0
+
+    def _retry(self, what: str, call):
+        """`call()` until it returns; httpx errors (no coordinator) are retried for `patience` seconds."""
+        end = time.monotonic() + self.patience
+        while True:
+            try:
+                return call()
+            except httpx.HTTPError as e:
+                if time.monotonic() > end:
+                    msg = f"the coordinator did not answer {what} for {self.patience:g}s: {e}"
+                    raise RuntimeError(msg) from e
+                if time.monotonic() - self._last_log > 1.0:
+                    log.warning("%s: no answer from the coordinator, retrying: %s", what, e)
+                    self._last_log = time.monotonic()
+                time.sleep(0.2)
+
+    def register(self, replacement: bool, rejoin: bool = False, step: int = 0, samples: int = 0) -> dict:
+        body = {"rank": self.rank, "instance": self.instance, "incarnation": self.incarnation}
+        body |= {"replacement": replacement, "rejoin": rejoin, "step": step, "samples": samples}
+
+        def call() -> dict:
+            r = self.http.post(f"{self.url}/v1/workers/register", json=body)
+            if r.status_code == 409:
+                log.error("registration refused: %s", r.json().get("detail"))
+                raise SystemExit(2)
+            r.raise_for_status()
+            return r.json()
+
+        return self._retry("registration", call)
+
+    def wait_start(self) -> None:
+        def started() -> bool:
+            r = self.http.get(
+                f"{self.url}/v1/workers/start", params={"rank": self.rank, "instance": self.instance}
+            )
+            r.raise_for_status()
+            body = r.json()
+            if body.get("registered") is False:  # a coordinator that replaced the one we registered with
+                self.register(replacement=False, rejoin=True)
+            return body["started"]
+
+        while not self._retry("waiting for the start", started):
+            time.sleep(0.05)
+
+    def cluster(self) -> dict:
+        def call() -> dict:
+            r = self.http.get(f"{self.url}/cluster")
+            r.raise_for_status()
+            return r.json()
+
+        return self._retry("reading the cluster map", call)
+
+    def progress(self, body: dict) -> None:
+        """One progress report; a coordinator that does not list this process is told who it is first."""
+        r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
+        if r.status_code == 409:
+            self.register(replacement=False, rejoin=True, step=body["step"], samples=body["samples"])
+            r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
+        r.raise_for_status()
+
+
 class ProgressReporter:
     """Posts this worker's counters to the coordinator every `interval` seconds, off the training thread."""
 
-    def __init__(self, http: httpx.Client, url: str, rank: int, instance: str, interval: float = 0.5):
-        self.http, self.url, self.rank, self.interval = http, url, rank, interval
-        self.instance = instance
+    def __init__(self, link: CoordinatorLink, interval: float = 0.5):
+        self.link, self.interval = link, interval
         self.step = self.samples = 0
         self.loss: float | None = None
         self.last_step_at: float | None = None
+        self.counters = None  # PSClient.report_counters: degraded rows and RPC latency, for /metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -165,17 +238,21 @@ class ProgressReporter:
         self._thread.start()
 
     def _post(self, done: bool = False, error: str | None = None) -> None:
-        body = {
-            "rank": self.rank,
-            "instance": self.instance,
-            "step": self.step,
-            "samples": self.samples,
-            "loss": self.loss if self.loss is None or math.isfinite(self.loss) else None,  # JSON has no NaN
-            "done": done,
-            "error": error,
-            "lastStepAt": self.last_step_at,
-        }
-        self.http.post(f"{self.url}/v1/workers/progress", json=body).raise_for_status()
+        self.link.progress(
+            {
+                "rank": self.link.rank,
+                "instance": self.link.instance,
+                "step": self.step,
+                "samples": self.samples,
+                "loss": self.loss
+                if self.loss is None or math.isfinite(self.loss)
+                else None,  # no NaN in JSON
+                "done": done,
+                "error": error,
+                "lastStepAt": self.last_step_at,
+                **(self.counters() if self.counters is not None else {}),
+            }
+        )
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -185,9 +262,11 @@ class ProgressReporter:
                 log.warning("progress report failed: %s", e)
 
     def finish(self, error: str | None = None) -> None:
+        """The last report, retried until acknowledged: a worker never exits with its end unrecorded (its
+        process gone, nobody would know its steps are done)."""
         self._stop.set()
         self._thread.join(timeout=2)
-        self._post(done=error is None, error=error)
+        self.link._retry("the final progress report", lambda: self._post(done=error is None, error=error))
 
 
 def run_worker(
@@ -209,24 +288,18 @@ def run_worker(
     device = pick_device(spec.workers.device)
     if spec.training.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    http = httpx.Client(timeout=10.0)
     url = coordinator.rstrip("/")
-    r = http.post(
-        f"{url}/v1/workers/register",
-        json={"rank": rank, "instance": instance, "incarnation": incarnation, "replacement": replacement},
+    link = CoordinatorLink(
+        url, rank, instance, incarnation, spec.coordinator.progress_timeout_seconds, token=ctx.token
     )
-    if r.status_code == 409:
-        log.error("registration refused: %s", r.json().get("detail"))
-        raise SystemExit(2)
-    r.raise_for_status()
-    while not http.get(f"{url}/v1/workers/start").json()["started"]:
-        time.sleep(0.05)
-    cluster = http.get(f"{url}/cluster").json()
-    client = PSClient(ctx, cluster, metrics, coordinator=url)
+    registered = link.register(replacement)
+    link.wait_start()
+    client = PSClient(ctx, link.cluster(), metrics, coordinator=url)
     trainer = Trainer(ctx, client, device)
     data = data_source(ctx)
-    resume = r.json().get("resume") or {"step": 0, "samples": 0}
-    reporter = ProgressReporter(http, url, rank, instance)
+    resume = registered.get("resume") or {"step": 0, "samples": 0}
+    reporter = ProgressReporter(link)
+    reporter.counters = client.report_counters
     reporter.step, reporter.samples = int(resume["step"]), int(resume["samples"])
     reporter.start()
     in_flight = None
@@ -286,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     faults.configure(f"worker-{args.rank}")
     ctx = JobContext.load(args.job)
     metrics = Metrics(ctx.name, "worker", "")
-    metrics.serve(args.metrics_port, args.metrics_addr)
+    port = metrics.serve(args.metrics_port, args.metrics_addr)
+    log.info("metrics on http://%s:%d/metrics", args.metrics_addr, port)
     run_worker(
         ctx,
         args.rank,

@@ -11,8 +11,9 @@ Pending forever. `TestKubelet` registers the node `ecrec-local-0` (capacity: thi
   process in its own session, with the env of the pod spec only: `value`, `valueFrom` (fieldRef: metadata.name,
   .namespace, .uid, .labels['k'], .annotations['k'], spec.nodeName, spec.serviceAccountName, status.podIP,
   status.podIPs, status.hostIP; resourceFieldRef; configMapKeyRef; secretKeyRef) and `envFrom`. Images map to
-  local programs in ONE place, `image_for` below: any image named `ecrec` (`ecrec:dev`, `ghcr.io/o/ecrec:1`)
-  is this repository's `.venv`; any other image fails the pod (ErrImagePull), it is never run.
+  local programs in ONE place, `image_for` below: any image named `ecrec` (`ecrec:dev`, `ghcr.io/o/ecrec:1`,
+  `ecrec:0.1.0-cuda`) or `ecrec-operator` is this repository's `.venv`, with the image's ENTRYPOINT (`ecrec`,
+  `ecrec-operator`); any other image fails the pod (ErrImagePull), it is never run.
   Init containers run first, one after the other.
 - **gives each pod its own loopback IP** 127.0.x.y as status.podIP (never 127.0.0.0/24, nor the Service range
   127.0.10.0/24 of the API server); Linux routes all of 127/8 to `lo`, so a process binds its pod IP without
@@ -28,23 +29,42 @@ Pending forever. `TestKubelet` registers the node `ecrec-local-0` (capacity: thi
 - **deletes**: on a pod's deletionTimestamp, SIGTERM to every container's process group, SIGKILL after the
   grace period (the delete's, else terminationGracePeriodSeconds), then the pod object is removed (grace 0,
   UID precondition).
+- **pauses** (the stand-in for Chaos Mesh's pod-failure, used by `ecrec chaos`): a new value of the pod
+  annotation `chaos.ecrec.dev/pause-id` with `chaos.ecrec.dev/pause-seconds: S` SIGSTOPs every running
+  container's process group and SIGCONTs it S seconds later; the pod stays Running and probes go on. A pod
+  being deleted or killed gets SIGCONT right after its SIGTERM, so a paused process still handles it. The
+  node carries the label `chaos.ecrec.dev/pause-annotation=true` to say it honours the annotation.
 - **volumes**: emptyDir, configMap and secret volumes are written under the pod's directory; since processes
   cannot get a mount namespace here, every `mountPath` (with subPath) that appears as a path in command, args
   or env values is rewritten to that directory. Other volume types fail the pod (UnsupportedVolume).
   ConfigMap/Secret updates are not propagated after the pod started.
+- **service-account credentials**: the API server runs without the ServiceAccount admission plugin, so no pod
+  gets the `kube-api-access` volume. Unless `automountServiceAccountToken: false` (pod or ServiceAccount),
+  the kubelet asks the API server for a token of the pod's ServiceAccount (TokenRequest bound to the pod,
+  24 h, not refreshed) and writes what the projected volume would hold - `token`, `ca.crt`, `namespace` -
+  under the pod's directory, as if mounted at /var/run/secrets/kubernetes.io/serviceaccount (paths to it in
+  command, args or env are rewritten like any mountPath). The client libraries read that fixed path, which
+  a process cannot have without a mount namespace; so instead of the in-cluster env
+  (KUBERNETES_SERVICE_HOST/PORT) the process gets `KUBECONFIG` naming a kubeconfig there: this API server,
+  its CA and the token file. The process then acts with its ServiceAccount's rights (RBAC is enforced); only
+  the libraries' in-cluster code path is not exercised. No ServiceAccount `default` (nothing creates one
+  here): no credentials; another ServiceAccount that does not exist: the pod waits for it.
 
-**Networking stand-in.** There is no cluster DNS and no kube-proxy, and Service ClusterIPs lead nowhere. This
-kubelet therefore rewrites Service DNS names found in env *values* - `<svc>.<ns>.svc`,
-`<svc>.<ns>.svc.cluster.local` and the per-pod form `<hostname>.<subdomain>.<ns>.svc[.cluster.local]` - to the
-IP of a ready pod behind the Service (chosen by the Service's selector; not-ready pods count if the Service
-has publishNotReadyAddresses; a pod's own per-pod name is its own IP, as its /etc/hosts would say). A
-`:port` right after a ClusterIP Service's name is rewritten to the targetPort. Until every such name resolves,
-the container waits in ContainerCreating, saying which name it waits for. Names in command/args are not
-rewritten: pass them through env and `$(VAR)`. Short names (`<svc>`, `<svc>.<ns>`) are not resolved. This is
+**Networking stand-in.** There is no cluster DNS. This kubelet rewrites Service DNS names found in env
+*values* - `<svc>.<ns>.svc`, `<svc>.<ns>.svc.cluster.local` and the per-pod form
+`<hostname>.<subdomain>.<ns>.svc[.cluster.local]` - to an address, once a ready pod is behind the Service
+(chosen by the Service's selector; not-ready pods count if the Service has publishNotReadyAddresses): for a
+Service with a ClusterIP, that ClusterIP (from 127.0.10.0/24, on loopback), where `tests/k8s/kubeproxy.py`, a
+userspace kube-proxy, forwards each new connection to a ready pod's targetPort - so the address keeps working
+when the pod behind it is replaced; for a headless Service, the pod's IP (`:port` unchanged); a pod's own
+per-pod name is its own IP, as its /etc/hosts would say. Until every such name resolves, the container waits
+in ContainerCreating, saying which name it waits for. Names in command/args are not rewritten: pass them
+through env and `$(VAR)`. Short names (`<svc>`, `<svc>.<ns>`) are not resolved. DNS rewriting and the proxy are
 the only place where the harness stands in for cluster networking; no `*_SERVICE_HOST` env is injected.
 
-**Not done**: container images, resource limits, namespaces/cgroups, hostPort, service-account tokens,
-lifecycle hooks, ephemeral containers, `kubectl logs/exec` (read the log files instead), node leases.
+**Not done**: container images, resource limits, namespaces/cgroups, hostPort, securityContext (the processes
+run as this user), NetworkPolicy (nothing enforces it), lifecycle hooks, ephemeral containers,
+`kubectl logs/exec` (read the log files instead), node leases.
 
 **Files** (under `out_dir`): `kubelet.log`; per pod `pods/<ns>_<pod>/<container>.log` (appended across
 restarts, each start marked by a `=====` header line), `pods/<ns>_<pod>/work/` (the working directory)
@@ -91,6 +111,9 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from ecrec.chaos import PAUSE_ID, PAUSE_NODE_LABEL, PAUSE_SECONDS
+from tests.k8s.kubeproxy import ServiceProxy
+
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv"
 NODE_NAME = "ecrec-local-0"
@@ -116,6 +139,10 @@ ECREC_IMAGE = Image(
     entrypoint=("ecrec",),  # the console script of pyproject.toml; command: [...] replaces it
     env=(("PYTHONUNBUFFERED", "1"), ("VIRTUAL_ENV", str(VENV))),
 )
+OPERATOR_IMAGE = Image(  # dockerfiles/operator.Dockerfile: the same venv, ENTRYPOINT ecrec-operator
+    path=ECREC_IMAGE.path, entrypoint=("ecrec-operator",), env=ECREC_IMAGE.env
+)
+IMAGES = {"ecrec": ECREC_IMAGE, "ecrec-operator": OPERATOR_IMAGE}
 
 
 def image_name(ref: str) -> str:
@@ -127,13 +154,12 @@ def image_for(ref: str) -> Image | None:
     """THE image mapping: the local stand-in of image `ref`, or None when there is none (the pod fails).
 
     Any image whose last path component is named `ecrec` (`ecrec:dev`, `ghcr.io/org/ecrec:0.1`,
-    `localhost:5000/ecrec@sha256:...`) runs from this repository's .venv: `.venv/bin` comes first on PATH,
-    so `python`, `python3`, `ecrec`, `uvicorn` ... are the venv's, and an absolute command whose basename is in
-    `.venv/bin` (`/usr/local/bin/python`) is the venv's too. ENTRYPOINT is `ecrec`, ENV PYTHONUNBUFFERED=1.
+    `localhost:5000/ecrec@sha256:...`, `ecrec:0.1.0-cuda`) or `ecrec-operator` runs from this repository's
+    .venv: `.venv/bin` comes first on PATH, so `python`, `python3`, `ecrec`, `ecrec-operator`, `uvicorn` ...
+    are the venv's, and an absolute command whose basename is in `.venv/bin` (`/usr/local/bin/python`) is
+    the venv's too. ENTRYPOINT is `ecrec` (`ecrec-operator` for that image), ENV PYTHONUNBUFFERED=1.
     """
-    if image_name(ref) == "ecrec":
-        return ECREC_IMAGE
-    return None
+    return IMAGES.get(image_name(ref))
 
 
 # ---------------------------------------------------------------------------------------------- helpers --
@@ -316,6 +342,8 @@ class Container:
 
 
 BACKOFF_START, BACKOFF_MAX, BACKOFF_RESET_AFTER = 0.5, 10.0, 10.0
+SA_VOLUME, SA_MOUNT = "kube-api-access", "/var/run/secrets/kubernetes.io/serviceaccount"
+SA_TOKEN_SECONDS = 86400
 
 
 # ------------------------------------------------------------------------------------------- pod worker --
@@ -338,6 +366,7 @@ class PodWorker(threading.Thread):
         self.dir = kubelet.out_dir / "pods" / f"{self.ns}_{self.pod_name}"
         self.vol_dir = self.dir / f"volumes-{self.uid[:8]}"
         self.work_dir = self.dir / "work"
+        self.sa_env: dict[str, str] = {}  # KUBECONFIG of the pod's service-account credentials, if any
         self.ip: str | None = None
         self.start_time = (pod.get("status") or {}).get("startTime") or now_iso()
         spec = pod["spec"]
@@ -355,6 +384,9 @@ class PodWorker(threading.Thread):
         self._wake = threading.Event()
         self._gone = threading.Event()  # the object left the API (force-deleted, or deleted by us)
         self._next_wait = 0.0  # monotonic time before which NotYet conditions are not retried
+        # Pauses (chaos): one asked for before this worker admitted the pod is not for its processes.
+        self._pause_id = (self._pause_request() or (0.0, None))[1]
+        self._paused_until: float | None = None  # monotonic time of the SIGCONT while paused
 
     # -- called from other threads --
     def update(self, pod: dict) -> None:
@@ -391,6 +423,7 @@ class PodWorker(threading.Thread):
             if self.pod["metadata"].get("deletionTimestamp"):
                 self._terminate()
                 return
+            self._pause_tick()
             if self.phase not in TERMINAL:
                 self._step()
             self._write_status()
@@ -410,7 +443,8 @@ class PodWorker(threading.Thread):
             c = unknown[0]
             msg = (
                 f'image "{c.image}" (container {c.name}) is not known to the test kubelet: it runs only images'
-                f" named ecrec, from this repository's .venv (see image_for in tests/k8s/kubelet.py)"
+                f" named ecrec or ecrec-operator, from this repository's .venv"
+                " (see image_for in tests/k8s/kubelet.py)"
             )
             self._fail(PodFails("ErrImagePull", msg), unknown)
             return
@@ -447,6 +481,7 @@ class PodWorker(threading.Thread):
                 return
             try:
                 self._make_volumes()
+                self._service_account()
                 self.volumes_ready = True
             except NotYet as e:
                 self._waiting_all("ContainerCreating", str(e))
@@ -617,6 +652,7 @@ class PodWorker(threading.Thread):
             "HOME": os.environ.get("HOME", "/root"),
             "LANG": "C.UTF-8",
             "HOSTNAME": spec.get("hostname") or self.pod_name,
+            **self.sa_env,
             **dict(image.env),
         }
         for src in c.spec.get("envFrom") or []:
@@ -747,7 +783,11 @@ class PodWorker(threading.Thread):
         if chosen is None:
             raise NotYet(f"waiting for a ready pod behind Service {ns}/{svc_name} (for {name})")
         ip = chosen["status"]["podIP"]
-        if port and not host and svc["spec"].get("clusterIP") != "None":
+        if not host and self.kl.proxy.ensure(svc):
+            # The Service's own ClusterIP, proxied (tests/k8s/kubeproxy.py): it keeps leading to a ready
+            # pod when the one behind it now is replaced.
+            ip = svc["spec"]["clusterIP"]
+        elif port and not host and svc["spec"].get("clusterIP") != "None":
             port = self._target_port(svc, chosen, int(port))
         self.log.info(
             "%s: %s -> %s%s (pod %s)",
@@ -800,6 +840,63 @@ class PodWorker(threading.Thread):
                 f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_text(data[item["key"]])
                 f.chmod(item.get("mode", mode))
+
+    def _service_account(self) -> None:
+        """The stand-in for the projected service-account volume (see the module docstring)."""
+        spec = self.pod["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return
+        name = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
+        try:
+            sa = self.kl.call(self.kl.core.read_namespaced_service_account, name, self.ns)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            if name == "default":
+                return
+            raise NotYet(f"waiting for ServiceAccount {self.ns}/{name}") from None
+        if sa.get("automountServiceAccountToken") is False:
+            return
+        request = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": SA_TOKEN_SECONDS,
+                "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "uid": self.uid},
+            },
+        }
+        token = self.kl.call(self.kl.core.create_namespaced_service_account_token, name, self.ns, request)
+        d = self.vol_dir / SA_VOLUME
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = self.kl.api.configuration
+        (d / "token").write_text(token["status"]["token"])
+        (d / "ca.crt").write_bytes(Path(cfg.ssl_ca_cert).read_bytes())
+        (d / "namespace").write_text(self.ns)
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "in-cluster",
+                    "cluster": {"server": cfg.host, "certificate-authority": str(d / "ca.crt")},
+                }
+            ],
+            "users": [{"name": name, "user": {"tokenFile": str(d / "token")}}],
+            "contexts": [
+                {
+                    "name": "in-cluster",
+                    "context": {"cluster": "in-cluster", "user": name, "namespace": self.ns},
+                }
+            ],
+            "current-context": "in-cluster",
+        }
+        (d / "kubeconfig").write_text(json.dumps(kubeconfig))
+        self.sa_env = {"KUBECONFIG": str(d / "kubeconfig")}
+        for c in self.inits + self.mains:  # where the volume would be mounted: paths to it are rewritten
+            mounts = c.spec.setdefault("volumeMounts", [])
+            if not any(m["mountPath"] == SA_MOUNT for m in mounts):
+                mounts.append({"name": SA_VOLUME, "mountPath": SA_MOUNT, "readOnly": True})
+        self.log.info("%s: credentials of ServiceAccount %s written (KUBECONFIG)", self.key, name)
 
     def _rewrite_paths(self, c: Container, text: str) -> str:
         """Container paths under a volumeMount -> the volume's local directory (there is no mount)."""
@@ -911,6 +1008,40 @@ class PodWorker(threading.Thread):
                 return int(cp["containerPort"])
         raise OSError(f"no port named {port}")
 
+    # -- pauses (chaos) --
+    def _pause_request(self) -> tuple[float, str] | None:
+        """(seconds, id) of the pod's pause annotations, if it has valid ones."""
+        ann = self.pod["metadata"].get("annotations") or {}
+        pause_id, seconds = ann.get(PAUSE_ID), ann.get(PAUSE_SECONDS)
+        try:
+            s = float(seconds)
+        except (TypeError, ValueError):
+            return None
+        return (s, pause_id) if pause_id and math.isfinite(s) and s > 0 else None
+
+    def _pause_tick(self) -> None:
+        """Starts a newly asked-for pause (SIGSTOP) and ends a pause whose time is up (SIGCONT)."""
+        req = self._pause_request()
+        if req is not None and req[1] != self._pause_id:
+            self._pause_id = req[1]
+            until = time.monotonic() + req[0]
+            self._paused_until = max(until, self._paused_until or until)
+            for c in self.inits + self.mains:
+                if c.proc is not None:
+                    killpg(c.proc.pid, signal.SIGSTOP)
+            self.log.info("%s: paused for %gs (pause id %s)", self.key, req[0], req[1])
+        if self._paused_until is not None and time.monotonic() >= self._paused_until:
+            self._resume("the pause is over")
+
+    def _resume(self, why: str) -> None:
+        if self._paused_until is None:
+            return
+        self._paused_until = None
+        for c in self.inits + self.mains:
+            if c.proc is not None:
+                killpg(c.proc.pid, signal.SIGCONT)
+        self.log.info("%s: resumed: %s", self.key, why)
+
     # -- signals --
     def _grace(self) -> float:
         meta, spec = self.pod["metadata"], self.pod["spec"]
@@ -923,6 +1054,8 @@ class PodWorker(threading.Thread):
         self.log.info("%s: container %s: %s, killing it", self.key, c.name, why)
         if c.proc is not None:
             killpg(c.proc.pid, signal.SIGTERM)
+            if self._paused_until is not None:
+                killpg(c.proc.pid, signal.SIGCONT)  # a paused process handles its SIGTERM
             c.kill_at = time.monotonic() + self._grace()
 
     def _kill_all(self, grace: float) -> None:
@@ -933,6 +1066,7 @@ class PodWorker(threading.Thread):
         sig = signal.SIGTERM if grace > 0 else signal.SIGKILL
         for c in running:
             killpg(c.proc.pid, sig)
+        self._resume("stopping the pod")  # after the signal: a paused process handles it before anything else
         deadline = time.monotonic() + grace
         while grace > 0 and time.monotonic() < deadline and any(c.proc.poll() is None for c in running):
             if self._gone.is_set() and not self.kl._stopping.is_set():
@@ -1186,6 +1320,7 @@ class TestKubelet:
         cfg.connection_pool_maxsize = 64  # one worker thread per pod, each calling the API
         self.api = k8s.ApiClient(cfg)
         self.core = k8s.CoreV1Api(self.api)
+        self.proxy = ServiceProxy(self.call, self.core, PodWorker._target_port)
         self._register_node()
         watches = [("node", f"spec.nodeName={self.node_name}", self._on_pod_event, self._sync_node_pods)]
         if self.bind_pending:
@@ -1224,6 +1359,7 @@ class TestKubelet:
                 self.log.error("%s: worker did not stop", w.key)
         for t in self._threads:
             t.join(10)
+        self.proxy.stop()
         try:
             self._patch_node_status(ready=False)
         except Exception as e:
@@ -1320,6 +1456,7 @@ class TestKubelet:
             "kubernetes.io/os": "linux",
             "kubernetes.io/arch": self._arch(),
             "ecrec.dev/test-kubelet": "true",
+            PAUSE_NODE_LABEL: "true",  # honours the pause annotations (ecrec chaos --action pod-failure)
         }
 
     def _register_node(self) -> None:

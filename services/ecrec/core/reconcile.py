@@ -18,6 +18,8 @@ observed now, so they are idempotent under duplicate events and correct after th
 - a worker whose process was killed or deleted before finishing its steps is reported lost and replaced
   under the same rank (it resumes where the coordinator's record of its progress ends); a worker that exited
   with an error of its own (exit code 1-127) fails the job with that reason instead;
+- a coordinator whose process is gone is replaced by the next incarnation, started from the launcher's last
+  copy of its state (`coordinator_seed`); nothing else is decided until it answers;
 - without a recoverable strategy a lost server fails the job;
 - nothing is created once the job succeeded, failed or is being deleted (`settle_after_finish` lets the
   local launcher rebuild servers after training so its final checks see every shard whole); a process that
@@ -61,6 +63,9 @@ class Observed:
     backoff_limit: int | None = None  # most replacements allowed; None = no limit
     recoverable: bool = True  # the strategy rebuilds a lost server (ecrec)
     settle_after_finish: bool = False  # keep servers whole (replace, rebuild) after training succeeded
+    # The latest coordinator incarnation the launcher created (0: none yet). A pod, once deleted, is gone from
+    # what is observed; this says a coordinator existed, so its successor must take over, not start afresh.
+    coordinator_incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,17 +94,27 @@ def reconcile(obs: Observed) -> list[Action]:
     plan = _Plan()
     by = _group(obs.procs)
     coordinator = by.get(("coordinator", 0), [])
-    if not coordinator:
+    if not coordinator and obs.coordinator_incarnation == 0:
         plan.actions.append(Action("create", "coordinator", 0, 1))
+    elif not coordinator:  # lost, and its pod already removed
+        plan.actions.append(
+            Action("create", "coordinator", 0, obs.coordinator_incarnation + 1, replacement=True)
+        )
+        plan.created += 1
+        return _within_backoff(obs, plan)
     elif not any(p.live for p in coordinator):
-        # The coordinator holds the cluster map and the job's progress in memory: without it the job is lost.
-        return [
-            Action(
-                "fail",
-                "coordinator",
-                reason="the coordinator's process is gone; the job cannot continue without it",
-            )
-        ]
+        last = coordinator[-1]
+        if last.state == "failed" and last.exit_code and last.exit_code < 128:
+            # It stopped itself (a bad seed, a port it cannot bind): another one would do the same.
+            return [
+                Action("fail", "coordinator", reason=f"the coordinator exited with code {last.exit_code}")
+            ]
+        # Training goes on without a coordinator (it is not on the data path); its successor rebuilds the
+        # control state from the seed and the processes' heartbeats. What else to do waits for its answers.
+        incarnation = _next(coordinator, obs.coordinator_incarnation)
+        plan.actions.append(Action("create", "coordinator", 0, incarnation, replacement=True))
+        plan.created += 1
+        return _within_backoff(obs, plan)
     shards = {int(s["shard"]): s for s in status.get("cluster", {}).get("shards", [])}
     recoveries = _open_recoveries(status.get("recoveries", []))
     seen = obs.status is not None
@@ -124,6 +139,10 @@ def reconcile(obs: Observed) -> list[Action]:
         if errored is not None and not any(p.live or p.state == "succeeded" for p in procs):
             return [Action("fail", "worker", r, reason=f"worker {r} exited with code {errored.exit_code}")]
         _worker(plan, r, procs, workers.get(r), seen)
+    return _within_backoff(obs, plan)
+
+
+def _within_backoff(obs: Observed, plan: _Plan) -> list[Action]:
     if obs.backoff_limit is not None and obs.replacements + plan.created > obs.backoff_limit:
         return [
             Action(
@@ -133,6 +152,20 @@ def reconcile(obs: Observed) -> list[Action]:
             )
         ]
     return plan.actions
+
+
+def coordinator_seed(resume: dict | None, procs: tuple[Proc, ...], incarnation: int) -> tuple[int, dict]:
+    """(generation, seed) of a replacement coordinator: the dead one's last `resume` state as the launcher
+    kept it, with the workers whose process finished marked done (their last report may not be in it). The
+    generation is above the seed's, whatever the incarnation count says (pods of old incarnations may be
+    gone)."""
+    seed = dict(resume or {})
+    finished = {p.index for p in procs if p.role == "worker" and p.state == "succeeded"}
+    seed["workers"] = [
+        {**w, "done": True} if int(w["rank"]) in finished and not w.get("lost") else dict(w)
+        for w in seed.get("workers", [])
+    ]
+    return max(incarnation, int(seed.get("generation", 0)) + 1), seed
 
 
 def _group(procs) -> dict[tuple[str, int], list[Proc]]:

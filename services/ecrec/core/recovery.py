@@ -45,9 +45,38 @@ class RecoveryRecord:
     parity_recovered: int = 0
     steps_done: int = 0
     steps_total: int = 0
-    state: str = "detected"  # detected | waiting | running | completed | failed
+    state: str = "detected"  # detected | waiting | running | completed | failed | interrupted
     error: str | None = None
     plan: list[Step] = field(default_factory=list)
+
+    SEEDED = (
+        "shard",
+        "killed_at",
+        "detected_at",
+        "continued_at",
+        "started_at",
+        "completed_at",
+        "rows_recovered",
+        "parity_recovered",
+        "state",
+    )
+
+    def seed(self) -> dict:
+        """The record as a successor coordinator restores it (wall-clock times, no plan)."""
+        return {k: getattr(self, k) for k in self.SEEDED}
+
+    @classmethod
+    def restore(cls, seed: dict) -> RecoveryRecord:
+        """A record from a dead coordinator's seed. One that had not completed is `interrupted`: its rebuild
+        driver died with that coordinator, and the launcher asks for it again (steps already done are
+        no-ops on the replacement)."""
+        rec = cls(int(seed["shard"]))
+        for k in cls.SEEDED[1:-1]:
+            setattr(rec, k, seed.get(k))
+        rec.rows_recovered = int(seed.get("rows_recovered") or 0)
+        rec.parity_recovered = int(seed.get("parity_recovered") or 0)
+        rec.state = "completed" if seed.get("state") == "completed" else "interrupted"
+        return rec
 
     def to_dict(self, t0: float | None) -> dict:
         def rel(x: float | None) -> float | None:

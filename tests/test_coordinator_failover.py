@@ -1,0 +1,209 @@
+"""Coordinator failover (docs/protocol.md): a coordinator that dies is replaced and rebuilds its state from
+the launcher's seed and the processes' heartbeats and reports; nothing is lost and training goes on.
+
+The pure rules are tested on `ClusterMap` and on a `Coordinator` object; then deterministic local jobs kill
+the coordinator with SIGKILL before training, during training, at each step of a recovery and together with
+a server, and must end bit-identical to the undisturbed run with parity exact (I1, I2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ecrec.coordinator import (
+    Coordinator,
+    FailureReport,
+    Heartbeat,
+    Progress,
+    RegisterServer,
+    RegisterWorker,
+)
+from ecrec.core.cluster import GENERATION_EPOCHS, ClusterMap, ProbeFirst, Refused, ShardState
+from ecrec.local import run_local
+from tests.conftest import make_ctx
+from tests.test_ecrec import assert_consistent, det_ctx
+
+
+# -- the pure rules -------------------------------------------------------------------------------------
+def started_map() -> ClusterMap:
+    m = ClusterMap(num_servers=3, failure_timeout=2.0, recoverable=True)
+    for s in range(3):
+        m.register(s, f"a{s}", 0.0, instance=f"s{s}-1")
+    m.report_failure(1, 1.0)
+    m.register(1, "b1", 1.5, instance="s1-2", replacement=True)  # recovering
+    return m
+
+
+def test_a_successor_map_outranks_every_epoch_of_its_predecessor_and_keeps_its_shards():
+    old = started_map()
+    new = ClusterMap(num_servers=3, failure_timeout=2.0, recoverable=True, generation=2)
+    assert new.epoch == GENERATION_EPOCHS + 1 > old.epoch
+    new.restore(old.seed(), now=10.0)
+    assert [s.state for s in new.shards] == [ShardState.UP, ShardState.RECOVERING, ShardState.UP]
+    assert new.shards[1].instance == "s1-2" and new.shards[1].superseded == {"s1-1": 1}
+    # Listed processes carry on with ordinary heartbeats; a superseded one is still refused.
+    assert new.heartbeat(1, "b1", 10.5, "s1-2")
+    assert not new.heartbeat(1, "a1", 10.5, "s1-1")
+    # Restored shards count as alive from the restore: silence past the timeout fails them as usual.
+    assert [t.shard for t in new.tick(12.5)] == [0, 2]
+    # A seed from the same or a later generation is refused: the successor would not be newer.
+    same = ClusterMap(num_servers=3, failure_timeout=2.0, generation=2)
+    with pytest.raises(Refused):
+        same.restore(new.seed(), now=0.0)
+
+
+def test_a_process_the_seed_missed_rejoins_only_if_newer_and_only_once_the_listed_one_is_gone():
+    old = started_map()
+    seed = old.seed()
+    old.register(2, "c2", 2.0, instance="s2-2", replacement=True, confirmed_dead=True)  # after the seed
+    new = ClusterMap(num_servers=3, failure_timeout=2.0, recoverable=True, generation=2)
+    new.restore(seed, now=3.0)
+    epoch = new.epoch
+    with pytest.raises(ProbeFirst):  # s2-1 is listed as up: it must be probed first
+        new.rejoin(2, "c2", 3.1, instance="s2-2", incarnation=2, recovered=False)
+    (failed, rejoined) = new.rejoin(
+        2, "c2", 3.2, instance="s2-2", incarnation=2, recovered=False, confirmed_dead=True
+    )
+    assert (failed.kind, rejoined.kind) == ("failure_detected", "rejoined")
+    assert new.shards[2].state is ShardState.RECOVERING and new.epoch == epoch + 2
+    assert new.shards[2].superseded == {"s2-1": 1}
+    for instance, incarnation in (("s2-1", 3), ("s9-9", 2), ("s9-9", 1)):  # superseded, or not newer
+        with pytest.raises(Refused):
+            new.rejoin(
+                2, "x", 3.3, instance=instance, incarnation=incarnation, recovered=False, confirmed_dead=True
+            )
+    # A rebuilt replacement rejoins as up; a first process of a shard the seed has pending, too.
+    fresh = ClusterMap(num_servers=3, failure_timeout=2.0, recoverable=True, generation=3)
+    fresh.restore(
+        {"epoch": 5, "shards": [{"shard": 0, "state": "failed", "incarnation": 1, "instance": "s0-1"}]}, 0.0
+    )
+    fresh.rejoin(0, "d0", 0.1, instance="s0-2", incarnation=2, recovered=True)
+    fresh.rejoin(1, "d1", 0.1, instance="s1-1", incarnation=1, recovered=False)
+    assert [s.state for s in fresh.shards] == [ShardState.UP, ShardState.UP, ShardState.PENDING]
+    # A coordinator that never replaced another admits nobody this way.
+    with pytest.raises(Refused):
+        started_map().rejoin(0, "z", 5.0, instance="s0-9", incarnation=9, recovered=True, confirmed_dead=True)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_rejoins():
+    job = make_ctx(
+        "fo", servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
+    ).job
+    clock, alive = Clock(), set()
+    old = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive)
+    for s in range(3):
+        old.register_server(RegisterServer(shard=s, address=f"a{s}", instance=f"s{s}-1"))
+        alive.add(f"s{s}-1")
+    old.register_worker(RegisterWorker(rank=0, instance="w0-1"))
+    assert old.status()["phase"] == "Running"
+    clock.t += 5
+    old.report_progress(Progress(rank=0, instance="w0-1", step=40, samples=2560, lastStepAt=clock.t))
+    alive.discard("s2-1")
+    old.report_failure(FailureReport(shard=2))
+    old.register_server(RegisterServer(shard=2, address="b2", instance="s2-2", replacement=True))
+    seed = old.status()["resume"]
+    assert seed["generation"] == 1 and seed["recoveries"][0]["shard"] == 2
+
+    clock.t += 3
+    new = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive, generation=2, seed=seed)
+    st = new.status()
+    assert st["phase"] == "Recovering" and st["step"] == 40 and st["cluster"]["epoch"] > seed["epoch"]
+    # The rebuild's driver died with the old coordinator: the record says so, and a new request resumes it.
+    assert [r["state"] for r in st["recoveries"]] == ["interrupted"]
+    assert st["events"][-1]["kind"] == "coordinator_restored"
+    # Listed processes carry on as before; the worker's progress continues from its own count.
+    assert new.heartbeat(Heartbeat(shard=0, address="a0", instance="s0-1", incarnation=1))["ok"]
+    new.report_progress(Progress(rank=0, instance="w0-1", step=45, samples=2880))
+    assert new.status()["step"] == 45
+    # A worker the seed does not list (a replacement registered after it was written) is refused until it
+    # says who it is; a rejoin that is not newer is refused.
+    with pytest.raises(Refused):
+        new.report_progress(Progress(rank=0, instance="w0-2", step=47, samples=3008))
+    with pytest.raises(Refused):
+        new.register_worker(RegisterWorker(rank=0, instance="w0-0", incarnation=1, rejoin=True))
+    out = new.register_worker(
+        RegisterWorker(rank=0, instance="w0-2", incarnation=2, rejoin=True, step=47, samples=3008)
+    )
+    assert out["resume"]["step"] == 47 and new.status()["workers"][0]["instance"] == "w0-2"
+    # The first coordinator never admits a rejoin.
+    with pytest.raises(Refused):
+        old.register_worker(RegisterWorker(rank=0, instance="w0-3", incarnation=3, rejoin=True))
+
+
+# -- live jobs --------------------------------------------------------------------------------------------
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> str:
+    report = run_local(det_ctx("base"), tmp_path_factory.mktemp("base"), progress=False)
+    assert_consistent(report)
+    return report["params_sha256"]
+
+
+def restored(report: dict) -> list[dict]:
+    return [e for e in report["events"] if e["kind"] == "coordinator_restored"]
+
+
+@slow
+def test_coordinator_killed_during_training_is_replaced_and_nothing_changes(tmp_path, baseline):
+    report = run_local(det_ctx("kill-coord"), tmp_path, progress=False, kills=[("coordinator", 1.0)])
+    assert len(restored(report)) == 1, report["events"]
+    assert_consistent(report)
+    assert report["params_sha256"] == baseline
+
+
+@slow
+def test_coordinator_killed_before_training_started(tmp_path, baseline):
+    # Killed having admitted its third server, before answering it: the successor knows no more than that
+    # nothing started; servers and the worker rejoin, and training starts once they all have.
+    report = run_local(
+        det_ctx("kill-coord-early"),
+        tmp_path,
+        progress=False,
+        fault="coordinator:coordinator:server_registered@3",
+    )
+    assert report["fault"]["fired"] and len(restored(report)) == 1
+    assert_consistent(report)
+    assert report["params_sha256"] == baseline
+
+
+@slow
+@pytest.mark.parametrize(
+    "point",
+    [
+        "coordinator:coordinator:recovery_started",  # the plan made, nothing rebuilt yet
+        "coordinator:coordinator:recovered_dense",  # dense copied, no row yet
+        "coordinator:coordinator:recovered_data@3",  # three lock groups rebuilt
+        "coordinator:coordinator:recovered_parity",  # rows done, parity being re-encoded
+        "coordinator:coordinator:recovery_completed",  # completed, before anybody heard of it
+    ],
+)
+def test_coordinator_killed_at_each_step_of_a_recovery_and_the_recovery_resumes(tmp_path, baseline, point):
+    ctx = det_ctx("kill-coord-rec", faultTolerance__ecrec__lockGroupRows=64)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 1.0)], fault=point)
+    assert report["fault"]["fired"], "the fault point was never reached"
+    assert len(restored(report)) == 1
+    (rec,) = report["recoveries"]
+    assert rec["shard"] == 2 and rec["rows_recovered"] > 0 and rec["completed_at"] is not None
+    assert_consistent(report)
+    assert report["params_sha256"] == baseline
+
+
+@slow
+def test_coordinator_and_a_server_killed_at_once(tmp_path, baseline):
+    # The server's failure happens while nobody can declare it: workers keep retrying, the successor probes
+    # and declares it, and the usual rebuild follows.
+    report = run_local(det_ctx("kill-both"), tmp_path, progress=False, kills=[("coordinator", 1.0), (3, 1.0)])
+    assert len(restored(report)) == 1
+    assert [r["shard"] for r in report["recoveries"]] == [3]
+    assert_consistent(report)
+    assert report["params_sha256"] == baseline
