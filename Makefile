@@ -8,7 +8,7 @@ OUT     ?= out
 KILL    ?= 2@12   # the demo SIGKILLs server 2 twelve seconds into training; KILL= runs without a failure
 
 .PHONY: demo test test-fast lint format proto bench clean help
-.PHONY: k8s-build k8s-build-for-test k8s-up k8s-down k8s-status k8s-e2e
+.PHONY: k8s-build k8s-build-for-test k8s-up k8s-down k8s-status k8s-e2e k8s-demo
 .PHONY: crd dashboard dashboard-png prometheus-for-test
 
 help:
@@ -24,6 +24,8 @@ help:
 	@echo "make k8s-build - build the Kubernetes test control plane once (cached in ~/.cache/ecrec), fetch helm+kubectl"
 	@echo "make k8s-up / k8s-down / k8s-status - run it in $(K8S_DIR) (source $(K8S_DIR)/env for KUBECONFIG);"
 	@echo "              k8s-up OPERATOR=helm installs charts/ecrec (operator as a Deployment) instead of a local operator"
+	@echo "make k8s-demo - control plane up, chart installed, examples/k8s-small.yaml applied, a server pod deleted"
+	@echo "              mid-training; watch it recover and succeed (the cluster stays up: make k8s-down)"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -81,6 +83,9 @@ k8s-up: k8s-build
 
 k8s-down:
 	hack/k8s-down $(K8S_DIR)
+
+k8s-demo: k8s-build
+	hack/k8s-demo $(K8S_DIR)
 
 k8s-e2e: $(STAMP) k8s-build-for-test
 	$(BIN)/python -m pytest -q tests/k8s

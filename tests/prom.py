@@ -130,8 +130,12 @@ class Prometheus:
         raise RuntimeError(f"prometheus not ready after {timeout:g}s:\n{self.log_tail()}")
 
     def set_targets(self, targets: list[str], labels: dict | None = None) -> None:
+        self.set_groups([{"targets": targets, "labels": labels or {}}])
+
+    def set_groups(self, groups: list[dict]) -> None:
+        """The file_sd target groups ([{"targets": [host:port], "labels": {...}}]) to scrape from now on."""
         tmp = self.targets_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps([{"targets": targets, "labels": labels or {}}]))
+        tmp.write_text(json.dumps(groups))
         tmp.replace(self.targets_file)  # atomically: Prometheus must never read half a file
 
     def query(self, expr: str, at: float | None = None) -> list[dict]:

@@ -115,3 +115,37 @@ def test_bad_shard_in_a_heartbeat_is_a_400_and_the_coordinator_keeps_serving():
     r = api.post("/v1/servers/heartbeat", json={"shard": 5, "address": "x", "instance": "x"})
     assert r.status_code == 400 and "out of range" in r.json()["detail"]
     assert api.get("/healthz").json() == {"ok": True}
+
+
+def test_a_silent_worker_is_declared_unresponsive_and_a_report_clears_it():
+    ctx = make_ctx(workers__replicas=2, coordinator__failureTimeoutSeconds=3.0)
+    now = [100.0]
+    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: True)
+    api = TestClient(create_app(coord))
+
+    def beat():  # servers keep heartbeating: only the workers are under test
+        for s in range(2):
+            api.post("/v1/servers/heartbeat", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+
+    for s in range(2):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
+    now[0] = 110.0  # rank 0 waited 10 s for rank 1: waiting for the start is not silence
+    api.post("/v1/workers/register", json={"rank": 1, "instance": "w1"})
+    beat()
+    coord.tick()
+    assert not any(w["unresponsive"] for w in api.get("/v1/status").json()["workers"])
+    for t in range(1, 9):  # rank 0 reports every 0.5 s; rank 1 goes quiet (paused)
+        now[0] = 110.0 + 0.5 * t
+        api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": t, "samples": 64 * t})
+        beat()
+        coord.tick()
+    workers = {w["rank"]: w for w in api.get("/v1/status").json()["workers"]}
+    assert workers[1]["unresponsive"] and not workers[0]["unresponsive"]
+    events = [e for e in api.get("/v1/status").json()["events"] if e["kind"] == "worker_unresponsive"]
+    assert [e["worker"] for e in events] == [1]
+    coord.tick()  # declared once
+    assert sum(e["kind"] == "worker_unresponsive" for e in api.get("/v1/status").json()["events"]) == 1
+    # It comes back before anyone deleted it: no longer unresponsive.
+    api.post("/v1/workers/progress", json={"rank": 1, "instance": "w1", "step": 1, "samples": 64})
+    assert not {w["rank"]: w for w in api.get("/v1/status").json()["workers"]}[1]["unresponsive"]

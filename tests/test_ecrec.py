@@ -120,16 +120,14 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
         assert not {"Push", "Delta"} & set(served), served  # no server-to-server difference propagation
 
 
+def two_workers(name: str):
+    """HOT with 2 workers of 60 steps; staged updates of a lost worker are settled after 3 s."""
+    overrides = {"workers__replicas": 2, "training__steps": 60, "faultTolerance__ecrec__txnTimeoutSeconds": 3}
+    return make_ctx(name, **{**HOT, **overrides})
+
+
 def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tmp_path):
-    ctx = make_ctx(
-        "lost-worker",
-        **{
-            **HOT,
-            "workers__replicas": 2,
-            "training__steps": 60,
-            "faultTolerance__ecrec__txnTimeoutSeconds": 3,
-        },
-    )
+    ctx = two_workers("lost-worker")
     report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:mid_commit@20")
     assert report["fault"]["fired"]
     kinds = [e["kind"] for e in report["events"]]
@@ -254,3 +252,15 @@ def test_kill_option_is_validated_before_starting(tmp_path):
         )
         assert res.returncode == 2 and "--kill" in res.stderr, (bad, res.stderr)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_hung_worker_is_found_out_by_its_silence_replaced_and_its_rank_resumed(tmp_path):
+    # The worker SIGSTOPs itself mid-update: its process is there, its reports stop. The coordinator declares
+    # it unresponsive after the failure timeout, the supervisor kills it and a replacement resumes the rank.
+    ctx = two_workers("hung-worker")
+    report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:after_stage@20!stop")
+    assert report["fault"]["fired"]
+    kinds = [e["kind"] for e in report["events"]]
+    assert kinds.index("worker_unresponsive") < kinds.index("worker_lost") < kinds.index("worker_replaced")
+    assert report["samples"] == 2 * 60 * 256
+    assert_consistent(report)

@@ -105,6 +105,11 @@ def test_status_follows_the_coordinator_and_keeps_transition_times():
     assert conds2["Degraded"]["status"] == "False"
     assert conds2["Running"]["lastTransitionTime"] == conds["Running"]["lastTransitionTime"]
     assert st2["replicaStatuses"]["server"]["active"] == 4
+    # status.resume is sent as a merge patch, where null deletes a field: it is sent without them, so the
+    # stored status equals what was sent and an unchanged one is not patched again.
+    coord["resume"] = {"generation": 1, "finishedAt": None, "recoveries": [{"shard": 2, "killed_at": None}]}
+    st3 = job_status(job.spec, coord, procs, st2, later, replacements=1)
+    assert st3["resume"] == {"generation": 1, "recoveries": [{"shard": 2}]}
 
 
 def test_set_condition_changes_the_transition_time_only_on_a_change():

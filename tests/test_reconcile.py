@@ -185,3 +185,24 @@ def test_a_coordinator_seed_marks_finished_workers_done_and_outranks_its_generat
 def test_without_the_coordinator_nothing_is_replaced_on_guesswork():
     procs = without(running(), "server", 1) + [Proc("server", 1, 1, "failed", "s1-1", exit_code=1)]
     assert reconcile(obs(procs, None)) == []
+
+
+def test_an_unresponsive_worker_is_deleted_then_reported_lost_and_replaced():
+    st = status(workers={1: {"unresponsive": True}})
+    assert reconcile(obs(running(), st)) == [
+        Action("delete", "worker", 1, 1, instance="w1-1", reason="the coordinator declared it unresponsive")
+    ]
+    # Its pod is terminating: no second delete; it is lost, so reported and replaced (as a killed worker).
+    procs = without(running(), "worker", 1) + [Proc("worker", 1, 1, "deleting", "w1-1")]
+    assert reconcile(obs(procs, st)) == [
+        Action("report_worker_lost", "worker", 1, 1, instance="w1-1"),
+        Action("create", "worker", 1, 2, replacement=True),
+    ]
+    # The flag names another process (a replacement registered since): the live one is left alone.
+    st = status(workers={1: {"unresponsive": True, "instance": "w1-2", "incarnation": 2}})
+    procs = without(running(), "worker", 1) + [Proc("worker", 1, 2, "running", "w1-2")]
+    assert reconcile(obs(procs, st)) == [
+        Action("delete", "worker", 1, 2, instance="w1-2", reason="the coordinator declared it unresponsive")
+    ]
+    procs = without(running(), "worker", 1) + [Proc("worker", 1, 3, "running", "w1-3")]
+    assert reconcile(obs(procs, st)) == []

@@ -268,7 +268,8 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     if coordinator_created is not None:
         new["coordinatorIncarnation"] = coordinator_created
     for key, value in new.items():
-        patch.status[key] = value
+        if status.get(key) != value:  # an unchanged field is not sent again (status.resume can be large)
+            patch.status[key] = value
     _announce_transition(body, status.get("phase"), new.get("phase"), new.get("reason"))
 
 

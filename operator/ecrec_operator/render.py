@@ -27,14 +27,10 @@ import yaml
 
 from ecrec import auth
 from ecrec.core.reconcile import Proc
+from ecrec.podlabels import LABEL_INCARNATION, LABEL_JOB, LABEL_RANK, LABEL_ROLE, LABEL_SHARD, pod_identity
 from ecrec.spec import Job, ServersSpec
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
-LABEL_JOB = "ecrec.dev/job"
-LABEL_ROLE = "ecrec.dev/role"
-LABEL_SHARD = "ecrec.dev/shard"
-LABEL_RANK = "ecrec.dev/rank"
-LABEL_INCARNATION = "ecrec.dev/incarnation"
 HTTP_PORT = 8080  # coordinator REST
 GRPC_PORT = 7070  # parameter servers
 METRICS_PORT = 9090  # every role's /metrics
@@ -400,15 +396,9 @@ def _copy(obj: Any) -> Any:
 def observe_pod(pod_obj: dict) -> Proc | None:
     """The reconciler's view of one of the job's pods (None for a pod that is not one of ours)."""
     meta = pod_obj.get("metadata", {})
-    lab = meta.get("labels") or {}
-    role = lab.get(LABEL_ROLE)
-    if role not in ("coordinator", "server", "worker"):
+    if (ident := pod_identity(meta.get("labels"))) is None:
         return None
-    try:
-        index = 0 if role == "coordinator" else int(lab[LABEL_SHARD if role == "server" else LABEL_RANK])
-        incarnation = int(lab.get(LABEL_INCARNATION, "1"))
-    except (KeyError, ValueError):
-        return None
+    role, index, incarnation = ident
     status = pod_obj.get("status") or {}
     phase = status.get("phase", "Pending")
     exit_code = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable
+from typing import Any
 
 from ecrec.core.reconcile import Proc
 from ecrec.spec import JobSpec, JobStatus
@@ -155,7 +156,7 @@ def job_status(
         "recoveries": [{k: v for k, v in r.items() if v is not None} for r in recoveries],
         "replacements": replacements,
         # What a replacement coordinator starts from (docs/protocol.md, Coordinator failover).
-        "resume": c.get("resume"),
+        "resume": _without_nulls(c.get("resume")),
     }
     if not coordinator:
         # Nothing to say about training yet (or the coordinator is momentarily unreachable): keep what was.
@@ -166,3 +167,13 @@ def job_status(
         out.pop("servers") if previous.get("servers") else None
     validated = JobStatus.model_validate({k: v for k, v in out.items() if v is not None})
     return validated.to_dict()
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` without null fields, at any depth: a merge patch deletes a field set to null, so the stored
+    status would never equal what was sent and every pass would patch it again."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

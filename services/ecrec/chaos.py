@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .podlabels import LABEL_JOB, pod_identity
+
 ACTIONS = ("pod-kill", "pod-failure")
 INJECTORS = ("auto", "chaos-mesh", "annotation")
 ROLES = ("server", "worker", "coordinator", "any")
@@ -55,23 +57,11 @@ PAUSE_NODE_LABEL = "chaos.ecrec.dev/pause-annotation"
 
 CHAOS_MESH_GROUP, CHAOS_MESH_VERSION, PODCHAOS_PLURAL = "chaos-mesh.org", "v1alpha1", "podchaos"
 ECREC_GROUP, ECREC_VERSION, ECREC_PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
-LABEL_JOB, LABEL_ROLE = "ecrec.dev/job", "ecrec.dev/role"
-LABEL_SHARD, LABEL_RANK, LABEL_INCARNATION = "ecrec.dev/shard", "ecrec.dev/rank", "ecrec.dev/incarnation"
 DONE = ("Succeeded", "Failed")
 
 
 class ChaosError(Exception):
     """A fault that cannot be injected, or a job that cannot be found: one line for the user."""
-
-
-def role_error(role: str) -> str | None:
-    """Why `--role role` cannot be used now, or None."""
-    if role == "coordinator" and "coordinator" not in ANY_ROLES:
-        return (
-            "--role coordinator: coordinator failover is not supported yet (the coordinator holds the job's "
-            "state in memory; losing it fails the job)"
-        )
-    return None
 
 
 def roles_for(role: str) -> tuple[str, ...]:
@@ -99,15 +89,9 @@ class PodView:
 def view(pod: dict) -> PodView | None:
     """A pod (as the API returns it, camelCase JSON) of the job, or None if it is not one of its processes."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    lab = meta.get("labels") or {}
-    role = lab.get(LABEL_ROLE)
-    if role not in ("coordinator", "server", "worker"):
+    if (ident := pod_identity(meta.get("labels"))) is None:
         return None
-    try:
-        index = 0 if role == "coordinator" else int(lab[LABEL_SHARD if role == "server" else LABEL_RANK])
-        incarnation = int(lab.get(LABEL_INCARNATION, "1"))
-    except (KeyError, ValueError):
-        return None
+    role, index, incarnation = ident
     return PodView(
         name=meta.get("name", ""),
         role=role,
@@ -565,8 +549,6 @@ def run(opts: Options, say: Callable[[str], None] = lambda line: print(line, fil
         raise ChaosError(f"--action {opts.action}: must be one of {', '.join(ACTIONS)}")
     if opts.role not in ROLES:
         raise ChaosError(f"--role {opts.role}: must be one of {', '.join(ROLES)}")
-    if (why := role_error(opts.role)) is not None:
-        raise ChaosError(why)
     if opts.count < 1 or opts.interval < 0 or opts.duration < 1 or opts.grace_period < 0:
         raise ChaosError("--count must be >= 1, --interval >= 0, --duration >= 1, --grace-period >= 0")
     seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(2**31)

@@ -17,7 +17,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 import uvicorn
@@ -33,6 +35,8 @@ from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
 from ecrec.metrics import coordinator_metrics
 from ecrec.spec import Job, JobSpec
+
+T = TypeVar("T")
 
 log = logging.getLogger("ecrec.coordinator")
 
@@ -130,6 +134,11 @@ class WorkerProgress:
     done: bool = False
     error: str | None = None
     lost: bool = False
+    # When the coordinator last heard this process (registration, progress: its reporter thread posts every
+    # 0.5 s whatever training does, so only a hung or paused process goes quiet), and whether it has been
+    # quiet for longer than the failure timeout: the launcher then deletes it and a replacement resumes.
+    heard_at: float | None = None
+    unresponsive: bool = False
 
 
 @dataclass
@@ -255,6 +264,7 @@ class Coordinator:
                 int(w.get("samples", 0)),
                 done=bool(w.get("done")),
                 lost=bool(w.get("lost")),
+                heard_at=now,  # the restored ones get a failure timeout from now to be heard
             )
         self.recoveries = [RecoveryRecord.restore(r) for r in seed.get("recoveries", [])]
         p.events = [dict(e) for e in seed.get("events", [])][-MAX_SEEDED_EVENTS:]
@@ -319,20 +329,26 @@ class Coordinator:
             )
             return {"epoch": self.cluster.epoch, "cluster": self.cluster.snapshot(), "instance": req.instance}
 
+        return self._admit(req.shard, register)
+
+    def _admit(self, shard: int, attempt: Callable[[bool], T]) -> T:
+        """Run `attempt(confirmed_dead)` under the lock; when the cluster map wants the listed process of `shard`
+        probed first (ProbeFirst), probe it outside the lock — a slow probe must not stall the job — and try
+        again only if it no longer answers and is still the one listed. Refused otherwise."""
         with self.lock:
             try:
-                return register(False)
+                return attempt(False)
             except ProbeFirst as first:
                 holder = first
-        if self.probe(holder.address, holder.instance):  # outside the lock: a slow probe must not stall
+        if self.probe(holder.address, holder.instance):
             raise Refused(
-                f"shard {req.shard} is up at {holder.address} (instance {holder.instance}) and answering: "
+                f"shard {shard} is up at {holder.address} (instance {holder.instance}) and answering: "
                 "a second process is not admitted while it serves"
             )
         with self.lock:
-            if self.cluster.shards[req.shard].instance != holder.instance:
-                raise Refused(f"shard {req.shard} changed while its registered process was probed: retry")
-            return register(True)
+            if self.cluster.shards[shard].instance != holder.instance:
+                raise Refused(f"shard {shard} changed while its registered process was probed: retry")
+            return attempt(True)
 
     def heartbeat(self, req: Heartbeat) -> dict:
         with self.lock:
@@ -364,20 +380,11 @@ class Coordinator:
                 self._maybe_start()
 
         try:
-            with self.lock:
-                try:
-                    rejoin(False)
-                    return True
-                except ProbeFirst as first:
-                    holder = first
-            if self.probe(holder.address, holder.instance):
-                return False  # the listed process still serves: the newcomer is refused, as a registration is
-            with self.lock:
-                if self.cluster.shards[req.shard].instance != holder.instance:
-                    return False
-                rejoin(True)
-                return True
-        except Refused as e:
+            self._admit(req.shard, rejoin)
+            return True
+        except (
+            Refused
+        ) as e:  # e.g. the listed process still serves: the newcomer is refused, as a registration is
             log.info("rejoin of shard %d refused: %s", req.shard, e)
             return False
 
@@ -399,6 +406,7 @@ class Coordinator:
         with self.lock:
             now = self.clock()
             self._apply(self.cluster.tick(now))
+            self._check_workers(now)
             self.progress.sample(now)
             m = self.metrics
             m.of(m.throughput).set(self.progress.recent_rate() if self.progress.finished_at is None else 0.0)
@@ -407,6 +415,23 @@ class Coordinator:
                 if self.failed_reason:
                     self.progress.event("job_failed", now, reason=self.failed_reason)
                     log.error("job failed: %s", self.failed_reason)
+
+    def _check_workers(self, now: float) -> None:
+        """Mark a training worker silent for longer than the failure timeout unresponsive (hung or paused: a
+        busy one still reports). Only after training started: before, workers only wait for the start."""
+        p = self.progress
+        if p.started_at is None or p.finished_at is not None:
+            return
+        timeout = self.cluster.failure_timeout
+        for w in p.workers.values():
+            if w.done or w.lost or w.unresponsive:
+                continue
+            if now - max(w.heard_at or 0.0, p.started_at) > timeout:
+                w.unresponsive = True
+                p.event("worker_unresponsive", now, worker=w.rank, step=w.step)
+                log.warning(
+                    "worker %d (%s) silent for over %gs: declared unresponsive", w.rank, w.instance, timeout
+                )
 
     def _why_stuck(self, now: float) -> str | None:
         """Why the job cannot finish, if it cannot: more than r servers lost at once, a shard not rebuilt in
@@ -482,6 +507,7 @@ class Coordinator:
             w = self.progress.workers.setdefault(
                 req.rank, WorkerProgress(req.rank, req.instance, req.incarnation)
             )
+            w.heard_at, w.unresponsive = self.clock(), False
             self._maybe_start()
             # A replacement resumes the rank where its predecessor's last progress report ended.
             return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}}
@@ -509,6 +535,7 @@ class Coordinator:
         if req.step > w.step:
             self.last_step_at = self.clock()
         w.step, w.samples = max(w.step, req.step), max(w.samples, req.samples)
+        w.heard_at, w.unresponsive = self.clock(), False
         self.progress.event("worker_rejoined", self.clock(), worker=req.rank, step=w.step)
         self._maybe_start()
         return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}}
@@ -557,6 +584,10 @@ class Coordinator:
                         )
             if w.lost:
                 return {"epoch": self.cluster.epoch}
+            w.heard_at = self.clock()
+            if w.unresponsive:  # it came back before it was replaced
+                w.unresponsive = False
+                self.progress.event("worker_responsive", w.heard_at, worker=w.rank, step=req.step)
             delta = max(0, req.samples - w.samples)
             w.step, w.samples, w.loss, w.done, w.error = req.step, req.samples, req.loss, req.done, req.error
             m = self.metrics

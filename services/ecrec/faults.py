@@ -1,7 +1,8 @@
 """Fault points: SIGKILL this process at a named step of the update or recovery protocol (invariant I4).
 
-Set `ECREC_FAULT_POINT="<process>:<point>[@n]"`, e.g. `server-1:commit:after_apply@20`, to kill the process
-named `<process>` (server-<shard>, worker-<rank>) the n-th time (default 1st) it reaches `<point>`. With
+Set `ECREC_FAULT_POINT="<process>:<point>[@n][!stop]"`, e.g. `server-1:commit:after_apply@20`, to kill the
+process named `<process>` (server-<shard>, worker-<rank>) the n-th time (default 1st) it reaches `<point>`;
+with `!stop` it SIGSTOPs itself instead: a hung process, which the job must find out by its silence. With
 `ECREC_FAULT_ONCE=<file>` the kill happens once per job: the first process to fire creates the file, so a
 respawned replacement does not kill itself again. Unset, a fault point costs one dict lookup.
 
@@ -40,16 +41,21 @@ POINTS = (
 
 _process = ""
 _target: tuple[str, str, int] | None = None
+_signal = signal.SIGKILL
 _hits = 0
 
 
 def configure(process: str) -> None:
     """Name this process (server-1, worker-0, coordinator) and read ECREC_FAULT_POINT."""
-    global _process, _target, _hits
-    _process, _target, _hits = process, None, 0
+    global _process, _target, _hits, _signal
+    _process, _target, _hits, _signal = process, None, 0, signal.SIGKILL
     spec = os.environ.get("ECREC_FAULT_POINT", "")
     if not spec:
         return
+    spec, _, action = spec.partition("!")
+    if action not in ("", "stop"):
+        raise ValueError(f"ECREC_FAULT_POINT: unknown action !{action}; valid: !stop")
+    _signal = signal.SIGSTOP if action == "stop" else signal.SIGKILL
     who, _, rest = spec.partition(":")
     point, _, n = rest.partition("@")
     if point not in POINTS:
@@ -70,4 +76,4 @@ def fault_point(point: str) -> None:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), _signal)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ecrec import auth, faults
 from ecrec.client import Pending, PSClient, ServerUnavailable, Stalled
+from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
@@ -213,13 +214,24 @@ class CoordinatorLink:
 
         return self._retry("reading the cluster map", call)
 
-    def progress(self, body: dict) -> None:
+    def progress(self, body: dict) -> dict:
         """One progress report; a coordinator that does not list this process is told who it is first."""
         r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
         if r.status_code == 409:
             self.register(replacement=False, rejoin=True, step=body["step"], samples=body["samples"])
             r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
         r.raise_for_status()
+        return r.json()
+
+    def control(self) -> dict:
+        """What the checkpoint strategies tell workers now (ecrec.core.checkpointing.CheckpointCycle.control)."""
+
+        def call() -> dict:
+            r = self.http.get(f"{self.url}/v1/workers/control")
+            r.raise_for_status()
+            return r.json()
+
+        return self._retry("reading the control state", call)
 
 
 class ProgressReporter:
@@ -231,6 +243,11 @@ class ProgressReporter:
         self.loss: float | None = None
         self.last_step_at: float | None = None
         self.counters = None  # PSClient.report_counters: degraded rows and RPC latency, for /metrics
+        # The checkpoint strategies: what this worker holds for, and the coordinator's latest control.
+        self.paused: int | None = None
+        self.stopped = 0
+        self.done = False  # all steps trained (a rollback can undo it)
+        self.control: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -238,7 +255,7 @@ class ProgressReporter:
         self._thread.start()
 
     def _post(self, done: bool = False, error: str | None = None) -> None:
-        self.link.progress(
+        answer = self.link.progress(
             {
                 "rank": self.link.rank,
                 "instance": self.link.instance,
@@ -250,14 +267,22 @@ class ProgressReporter:
                 "done": done,
                 "error": error,
                 "lastStepAt": self.last_step_at,
+                "paused": self.paused,
+                "stopped": self.stopped,
                 **(self.counters() if self.counters is not None else {}),
             }
         )
+        if answer.get("control") is not None:
+            self.control = answer["control"]
+
+    def post_now(self) -> None:
+        """A report at once (the coordinator waits for it), retried while no coordinator answers."""
+        self.link._retry("a progress report", lambda: self._post(done=self.done))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._post()
+                self._post(done=self.done)
             except httpx.HTTPError as e:
                 log.warning("progress report failed: %s", e)
 
@@ -267,6 +292,114 @@ class ProgressReporter:
         self._stop.set()
         self._thread.join(timeout=2)
         self.link._retry("the final progress report", lambda: self._post(done=error is None, error=error))
+
+
+class Holds:
+    """A worker's side of the checkpoint strategies (docs/protocol.md, "Checkpoint strategies"): pause at a
+    step boundary while a checkpoint is written, stop and resume at the checkpoint's step after a rollback, and
+    wait out a lost server. The coordinator's `control` says which; every wait polls it."""
+
+    POLL = 0.02
+
+    def __init__(
+        self, ctx: JobContext, rank: int, link: CoordinatorLink, reporter: ProgressReporter, control
+    ):
+        self.ctx, self.rank, self.link, self.reporter = ctx, rank, link, reporter
+        self.rolls_back = ctx.spec.fault_tolerance.strategy in ROLLBACK_STRATEGIES
+        control = control or {}
+        self.acked = int(
+            control.get("rollback", 0)
+        )  # the rollback generation this process has caught up with
+        self.paused_for = control.get("pause")  # a checkpoint begun before this process joined holds it not
+        self.client: PSClient | None = None
+
+    def check(self, in_flight) -> int | None:
+        """Called at each step boundary: None to go on, or the step to go on from after a rollback."""
+        ctl = self.reporter.control or {}
+        if int(ctl.get("rollback", 0)) > self.acked:
+            _settle(in_flight)
+            return self._stop()
+        pause = ctl.get("pause")
+        if pause is not None and pause != self.paused_for:
+            _settle(in_flight)
+            return self._pause(pause)
+        return None
+
+    def _pause(self, checkpoint: int) -> int | None:
+        self.reporter.paused = checkpoint
+        self.reporter.post_now()
+        try:
+            while True:
+                ctl = self.link.control()
+                if int(ctl["rollback"]) > self.acked:
+                    return self._stop()
+                if ctl["pause"] != checkpoint:
+                    return None
+                time.sleep(self.POLL)
+        finally:
+            self.reporter.paused, self.paused_for = None, checkpoint
+
+    def _stop(self) -> int:
+        """Stop for the newest rollback and wait for the restore: the step (and samples) to resume from."""
+        while True:
+            ctl = self.link.control()
+            gen = int(ctl["rollback"])
+            if self.reporter.stopped != gen:
+                self.reporter.stopped = gen
+                self.reporter.post_now()
+            resume = ctl.get("resume")
+            if gen == self.reporter.stopped and resume is not None and str(self.rank) in resume:
+                step, samples = (int(x) for x in resume[str(self.rank)])
+                log.info("rolled back (rollback %d): resuming at step %d", gen, step)
+                self.acked = gen
+                self.reporter.step, self.reporter.samples, self.reporter.done = step, samples, False
+                if self.client is not None:
+                    self.client.refresh()  # the replacement's address
+                self.reporter.post_now()
+                return step
+            time.sleep(self.POLL)
+
+    def server_lost(self, err: ServerUnavailable) -> None:
+        """A server did not answer. It is reported; rollback strategies then stop (the next `check` sees the
+        rollback), cpr waits until the shard's replacement has loaded its checkpoint."""
+        log.warning("%s: waiting for the coordinator", err)
+        assert self.client is not None
+        self.client.report_failure(err.shard)
+        end = time.monotonic() + self.ctx.spec.coordinator.progress_timeout_seconds
+        while time.monotonic() < end:
+            ctl = self.link.control()
+            self.reporter.control = ctl
+            if self.rolls_back and int(ctl["rollback"]) > self.acked:
+                return
+            if not self.rolls_back:
+                self.client.refresh()
+                if self.client.states.get(err.shard) == "up":
+                    return
+            time.sleep(self.POLL * 5)
+        raise err
+
+    def wait_finished(self) -> int | None:
+        """After the last step: report done, then wait until the job is finished (None) or rolled back (the
+        step to train again from)."""
+        self.reporter.done = True
+        self.reporter.post_now()
+        while True:
+            ctl = self.link.control()
+            self.reporter.control = ctl
+            if int(ctl["rollback"]) > self.acked:
+                return self._stop()
+            if ctl.get("finished"):
+                return None
+            time.sleep(self.POLL * 5)
+
+
+def _settle(in_flight) -> None:
+    """Wait for the update in flight; a lost server's part of it is the rollback's or the restore's concern."""
+    if in_flight is not None:
+        try:
+            in_flight.wait()
+        except ServerUnavailable as e:
+            log.info("update in flight lost with its server: %s", e)
 
 
 def run_worker(
@@ -293,35 +426,64 @@ def run_worker(
         url, rank, instance, incarnation, spec.coordinator.progress_timeout_seconds, token=ctx.token
     )
     registered = link.register(replacement)
-    link.wait_start()
-    client = PSClient(ctx, link.cluster(), metrics, coordinator=url)
-    trainer = Trainer(ctx, client, device)
-    data = data_source(ctx)
     resume = registered.get("resume") or {"step": 0, "samples": 0}
+    # Reports start at once: the coordinator takes a worker silent for its failure timeout for hung, and
+    # setting up (the model, the data) may take longer than that.
     reporter = ProgressReporter(link)
-    reporter.counters = client.report_counters
     reporter.step, reporter.samples = int(resume["step"]), int(resume["samples"])
     reporter.start()
+    link.wait_start()
+    client = PSClient(ctx, link.cluster(), metrics, coordinator=url)
+    reporter.counters = client.report_counters
+    trainer = Trainer(ctx, client, device)
+    data = data_source(ctx)
+    holds = None
+    if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
+        holds = Holds(ctx, rank, link, reporter, registered.get("control"))
+        holds.client = client
     in_flight = None
     B = spec.training.batch_size
+    step = int(resume["step"])
     try:
-        for step in range(int(resume["step"]), spec.training.steps):
-            batch = data.batch(step * workers + rank, B)
-            # A replacement's steps get their own ids: its predecessor may have staged or applied the same step.
-            txn = f"w{rank}-{step}" if incarnation == 1 else f"w{rank}i{incarnation}-{step}"
-            loss, uniq, row_grads, dense_grad = trainer.step(batch, step)
-            if in_flight is not None:  # at most one update in flight: wait for the previous step's
-                in_flight.wait()
-            in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
-            if spec.training.deterministic:
-                in_flight.wait()
-                in_flight = None
-            reporter.step, reporter.samples, reporter.loss = step + 1, (step + 1) * B, loss
-            reporter.last_step_at = time.time()
-            metrics.of(metrics.steps).inc()
-            metrics.of(metrics.samples).inc(B)
-        if in_flight is not None:
-            in_flight.wait()
+        while True:
+            while step < spec.training.steps:
+                if holds is not None and (jump := holds.check(in_flight)) is not None:
+                    in_flight, step = None, jump
+                    continue
+                batch = data.batch(step * workers + rank, B)
+                # Step ids are unique per process and rollback: a replacement's predecessor, or this process
+                # before a rollback, may have applied the same step.
+                txn = f"w{rank}-{step}" if incarnation == 1 else f"w{rank}i{incarnation}-{step}"
+                if holds is not None and holds.acked:
+                    txn += f"r{holds.acked}"
+                try:
+                    loss, uniq, row_grads, dense_grad = trainer.step(batch, step)
+                    if in_flight is not None:  # at most one update in flight: wait for the previous step's
+                        in_flight.wait()
+                    in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
+                    if spec.training.deterministic:
+                        in_flight.wait()
+                        in_flight = None
+                except ServerUnavailable as e:
+                    if holds is None:
+                        raise
+                    in_flight = None
+                    holds.server_lost(e)  # then a rollback (next check), or the step again once it is back
+                    continue
+                reporter.step, reporter.samples, reporter.loss = step + 1, (step + 1) * B, loss
+                reporter.last_step_at = time.time()
+                metrics.of(metrics.steps).inc()
+                metrics.of(metrics.samples).inc(B)
+                step += 1
+            if holds is None:
+                if in_flight is not None:
+                    in_flight.wait()
+                break
+            _settle(in_flight)
+            in_flight = None
+            if (jump := holds.wait_finished()) is None:
+                break
+            step = jump
         client.flush_decisions()  # the last step's decisions had no next step to ride on
     except (ServerUnavailable, Stalled, NonFiniteStep) as e:  # the reason names the server / step and rows
         log.error("%s", e)

@@ -100,3 +100,21 @@ def kubelet(kube: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
         yield kl
     finally:
         kl.stop()
+
+
+@pytest.fixture(scope="module")
+def core(kube: KubeTestEnv):
+    """A CoreV1Api client with the admin kubeconfig."""
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(str(kube.kubeconfig))
+    yield client.CoreV1Api(api)
+    api.close()
+
+
+@pytest.fixture(scope="module")
+def ns(request: pytest.FixtureRequest, kube: KubeTestEnv, kubelet) -> str:
+    """The namespace named by the test module's NS, created once per module, with the kubelet running."""
+    name = request.module.NS
+    kube.kubectl("create", "namespace", name)
+    return name

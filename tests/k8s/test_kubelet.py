@@ -27,21 +27,6 @@ IMAGE = "ghcr.io/ecrec/ecrec:dev"  # any image named ecrec runs from the repo's 
 
 
 # ---------------------------------------------------------------------------------------------- helpers --
-@pytest.fixture(scope="module")
-def core(kube: KubeTestEnv):
-    from kubernetes import client, config
-
-    api = config.new_client_from_config(str(kube.kubeconfig))
-    yield client.CoreV1Api(api)
-    api.close()
-
-
-@pytest.fixture(scope="module")
-def ns(kube: KubeTestEnv, kubelet) -> str:
-    kube.kubectl("create", "namespace", NS)
-    return NS
-
-
 def pod_manifest(name: str, command: list[str], **spec) -> dict:
     """A one-container pod of the ecrec image; `spec` keys go to the pod spec, `env`/`probe` to the container."""
     container = {"name": "main", "image": spec.pop("image", IMAGE), "command": command}

@@ -20,21 +20,6 @@ pytestmark = pytest.mark.k8s
 NS = "kubelet-pause"
 
 
-@pytest.fixture(scope="module")
-def core(kube: KubeTestEnv):
-    from kubernetes import client, config
-
-    api = config.new_client_from_config(str(kube.kubeconfig))
-    yield client.CoreV1Api(api)
-    api.close()
-
-
-@pytest.fixture(scope="module")
-def ns(kube: KubeTestEnv, kubelet) -> str:
-    kube.kubectl("create", "namespace", NS)
-    return NS
-
-
 def run_pod(kube: KubeTestEnv, core, name: str, code: str, grace: int = 5) -> dict:
     pod = {
         "apiVersion": "v1",

@@ -7,14 +7,12 @@ admin, so the RBAC rules are tested too.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +20,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import util
 from .testenv import REPO
+from .util import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -112,39 +112,15 @@ def operator(kube, kubelet, ecrec_crd, tmp_path_factory):
 
 
 def job_manifest(name: str, **spec_overrides) -> str:
-    doc = yaml.safe_load((REPO / "examples/k8s-small.yaml").read_text())
-    doc["metadata"] = {"name": name, "namespace": NS}
-    spec = doc["spec"]
-    spec["model"] = {"preset": "tiny"}
-    spec["training"].update({"steps": 500, "batchSize": 256})
-    # Deleted pods are reported at once (the operator's pod events); the timeout is for hung ones. Every
-    # heartbeat crosses the test kubelet's Service proxy on a loaded machine: give it room.
-    spec["coordinator"].update({"heartbeatIntervalSeconds": 0.5, "failureTimeoutSeconds": 10})
-    for path, value in spec_overrides.items():
-        node = spec
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return yaml.safe_dump(doc)
+    return util.job_manifest(name, NS, **spec_overrides)
 
 
 def get_job(kube, name: str) -> dict:
-    return json.loads(kube.kubectl("get", "ecj", name, "-n", NS, "-o", "json").stdout)
-
-
-def wait_for(what: str, fn, timeout: float, every: float = 0.3):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = fn()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    return util.get_job(kube, NS, name)
 
 
 def pods(kube, selector: str) -> list[dict]:
-    return json.loads(kube.kubectl("get", "pods", "-n", NS, "-l", selector, "-o", "json").stdout)["items"]
+    return util.pods(kube, NS, selector)
 
 
 def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kube, operator):
@@ -229,12 +205,7 @@ def run_until_training(kube, name: str, **overrides) -> None:
 
 
 def wait_done(kube, name: str, timeout: float = 300) -> dict:
-    def done():
-        st = get_job(kube, name).get("status") or {}
-        assert st.get("phase") != "Failed", st
-        return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
-
-    return wait_for("the job to succeed", done, timeout=timeout)
+    return util.wait_done(kube, NS, name, timeout)
 
 
 def test_a_deleted_worker_pod_is_replaced_and_resumes_its_rank(kube, operator):

@@ -18,6 +18,8 @@ observed now, so they are idempotent under duplicate events and correct after th
 - a worker whose process was killed or deleted before finishing its steps is reported lost and replaced
   under the same rank (it resumes where the coordinator's record of its progress ends); a worker that exited
   with an error of its own (exit code 1-127) fails the job with that reason instead;
+- a worker the coordinator declares unresponsive (silent for the failure timeout) whose process is still there
+  is deleted; then, like any lost worker, it is reported lost and replaced under its rank;
 - a coordinator whose process is gone is replaced by the next incarnation, started from the launcher's last
   copy of its state (`coordinator_seed`); nothing else is decided until it answers;
 - without a recoverable strategy a lost server fails the job;
@@ -241,6 +243,22 @@ def _worker(plan: _Plan, r: int, procs: list[Proc], worker: dict | None, seen: b
     if not procs and worker is None:
         plan.actions.append(Action("create", "worker", r, 1))
         return
+    if worker is not None and worker.get("unresponsive") and not worker.get("lost"):
+        # declared unresponsive while its process is still there: hung or paused; once it is gone the
+        # rules below report it lost and replace it
+        for p in procs:
+            if p.live and p.instance == worker.get("instance"):
+                plan.actions.append(
+                    Action(
+                        "delete",
+                        "worker",
+                        r,
+                        p.incarnation,
+                        instance=p.instance,
+                        reason="the coordinator declared it unresponsive",
+                    )
+                )
+                return
     if any(p.live for p in procs) or any(p.state == "succeeded" for p in procs):
         return  # running, or finished its steps: never recreated
     if not seen or (worker is not None and worker.get("done") and not worker.get("lost")):

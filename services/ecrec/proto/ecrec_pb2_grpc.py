@@ -124,6 +124,16 @@ class ParameterServerStub:
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.CopyDenseRequest.SerializeToString,
                 response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.CopyDenseResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/Checkpoint',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/Restore',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.RestoreResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -238,6 +248,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +352,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.CopyDense,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.CopyDenseRequest.FromString,
                     response_serializer=ecrec_dot_proto_dot_ecrec__pb2.CopyDenseResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.CheckpointRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.RestoreRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.RestoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -818,6 +850,60 @@ class ParameterServer:
             '/ecrec.v1.ParameterServer/CopyDense',
             ecrec_dot_proto_dot_ecrec__pb2.CopyDenseRequest.SerializeToString,
             ecrec_dot_proto_dot_ecrec__pb2.CopyDenseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/Checkpoint',
+            ecrec_dot_proto_dot_ecrec__pb2.CheckpointRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/Restore',
+            ecrec_dot_proto_dot_ecrec__pb2.RestoreRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

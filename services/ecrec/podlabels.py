@@ -1,0 +1,31 @@
+"""The labels that name a job's pods on Kubernetes, and reading them back.
+
+One definition for the operator (which sets them), `ecrec chaos` (which picks targets by them) and the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+LABEL_JOB = "ecrec.dev/job"
+LABEL_ROLE = "ecrec.dev/role"
+LABEL_SHARD = "ecrec.dev/shard"
+LABEL_RANK = "ecrec.dev/rank"
+LABEL_INCARNATION = "ecrec.dev/incarnation"
+
+ROLES = ("coordinator", "server", "worker")
+
+
+def pod_identity(labels: Mapping[str, str] | None) -> tuple[str, int, int] | None:
+    """(role, index, incarnation) of one of a job's pods from its labels — index is the shard id of a server,
+    the rank of a worker, 0 for the coordinator — or None when the labels do not name one of its processes."""
+    lab = labels or {}
+    role = lab.get(LABEL_ROLE)
+    if role not in ROLES:
+        return None
+    try:
+        index = 0 if role == "coordinator" else int(lab[LABEL_SHARD if role == "server" else LABEL_RANK])
+        incarnation = int(lab.get(LABEL_INCARNATION, "1"))
+    except (KeyError, ValueError):
+        return None
+    return role, index, incarnation

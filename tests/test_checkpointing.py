@@ -1,0 +1,150 @@
+"""The checkpoint strategies' coordinator state machine (ecrec.core.checkpointing): inputs in, acts out."""
+
+from __future__ import annotations
+
+import pytest
+
+from ecrec.core.checkpointing import Act, CheckpointCycle, Phase
+
+
+def cycle(strategy="checkpoint", workers=2, servers=3, **kw) -> CheckpointCycle:
+    kw = kw or {"interval_seconds": 10.0}
+    c = CheckpointCycle(strategy, workers, servers, **kw)
+    c.started(0.0)
+    return c
+
+
+def report(c, rank, step, done=False, paused=None, stopped=0):
+    return c.report(rank, step, step * 10, done, paused, stopped)
+
+
+def test_a_checkpoint_pauses_every_worker_then_writes_commits_and_resumes():
+    c = cycle()
+    report(c, 0, 5)
+    report(c, 1, 4)
+    assert c.tick(9.9) == [] and c.control()["pause"] is None
+    assert c.tick(10.0) == [] and c.control()["pause"] == 1 and c.phase is Phase.PAUSING
+    assert report(c, 0, 6, paused=1) == []  # one worker paused: the other may still push
+    assert report(c, 1, 7, paused=1) == [Act("write", 1, (0, 1, 2))]
+    assert c.control()["pause"] == 1  # still paused while the servers write
+    assert c.written(1, True, now=12.0) == [Act("commit", 1, progress=((0, 6, 60), (1, 7, 70)))]
+    assert c.control()["pause"] is None and c.phase is Phase.TRAINING
+    assert c.tick(21.9) == [] and c.tick(22.0) == [] and c.control()["pause"] == 2  # interval from the end
+
+
+def test_a_failure_rolls_every_rank_back_to_the_last_checkpoint_once_all_stopped_and_the_shard_is_back():
+    c = cycle()
+    report(c, 0, 5)
+    report(c, 1, 5)
+    c.tick(10.0)
+    report(c, 0, 6, paused=1)
+    report(c, 1, 6, paused=1)
+    c.written(1, True, now=11.0)
+    report(c, 0, 20)
+    report(c, 1, 18)
+    assert c.failure(2) == [] and c.phase is Phase.STOPPING and c.control()["rollback"] == 1
+    assert report(c, 0, 21, stopped=1) == [] and report(c, 1, 18, stopped=1) == []  # shard 2 not back yet
+    assert c.registered(2) == [Act("restore", 1, (0, 1, 2))]
+    assert c.phase is Phase.RESTORING and c.control()["resume"] is None
+    c.restored((0, 1, 2), True, now=15.0)
+    ctl = c.control()
+    assert ctl["resume"] == {"0": [6, 60], "1": [6, 60]} and ctl["rollback"] == 1 and ctl["pause"] is None
+    assert c.steps_redone == (21 - 6) + (18 - 6) and c.rollbacks == 1
+
+
+def test_a_failure_while_writing_abandons_that_checkpoint_and_falls_back_to_the_one_before():
+    c = cycle()
+    for r in (0, 1):
+        report(c, r, 3)
+    c.tick(10.0)
+    for r in (0, 1):
+        report(c, r, 3, paused=1)
+    c.written(1, True, now=10.5)
+    c.tick(21.0)
+    for r in (0, 1):
+        report(c, r, 9, paused=2)
+    assert c.phase is Phase.WRITING
+    c.failure(0)
+    assert c.written(2, True, now=22.0) == []  # too late: never committed
+    for r in (0, 1):
+        report(c, r, 9, stopped=1)
+    assert c.registered(0) == [Act("restore", 1, (0, 1, 2))]
+
+
+def test_without_a_checkpoint_yet_a_rollback_restores_the_initial_state():
+    c = cycle()
+    for r in (0, 1):
+        report(c, r, 4)
+    c.failure(1)
+    for r in (0, 1):
+        report(c, r, 4, stopped=1)
+    assert c.registered(1) == [Act("restore", None, (0, 1, 2))]
+    c.restored((0, 1, 2), True, now=3.0)
+    assert c.control()["resume"] == {"0": [0, 0], "1": [0, 0]}
+
+
+def test_a_lost_worker_holds_up_neither_a_checkpoint_nor_a_rollback():
+    c = cycle()
+    report(c, 0, 5)
+    report(c, 1, 5)
+    c.worker_lost(1)
+    c.tick(10.0)
+    assert report(c, 0, 5, paused=1) == [Act("write", 1, (0, 1, 2))]
+    c.written(1, True, now=10.0)
+    c.failure(0)
+    assert report(c, 0, 7, stopped=1) == []
+    assert c.registered(0) == [Act("restore", 1, (0, 1, 2))]
+
+
+def test_cpr_restores_only_the_lost_shard_and_nobody_stops_or_rolls_back():
+    c = cycle("cpr")
+    for r in (0, 1):
+        report(c, r, 5)
+    c.tick(10.0)
+    for r in (0, 1):
+        report(c, r, 5, paused=1)
+    c.written(1, True, now=10.0)
+    for r in (0, 1):
+        report(c, r, 30)
+    assert c.failure(2) == [] and c.phase is Phase.TRAINING and c.control()["rollback"] == 0
+    assert not c.shard_ready(2)
+    assert c.tick(100.0) == [] and c.control()["pause"] is None  # no checkpoint without shard 2
+    assert c.registered(2) == [Act("restore", 1, (2,))]
+    c.restored((2,), True, now=101.0)
+    assert c.shard_ready(2) and c.control()["resume"] is None and c.steps_redone == 0
+
+
+def test_a_final_checkpoint_ends_training_and_a_later_failure_redoes_nothing():
+    c = cycle(workers=1)
+    report(c, 0, 50, done=True)
+    assert not c.finished
+    c.tick(1.0)  # done before the interval: the final checkpoint is due at once
+    assert c.phase is Phase.WRITING and c.pending_final
+    assert c.written(1, True, now=2.0) == [Act("commit", 1, progress=((0, 50, 500),), final=True)]
+    assert c.finished and c.control()["finished"]
+    c.failure(1)
+    assert not c.finished
+    report(c, 0, 50, done=True, stopped=1)
+    c.registered(1)
+    c.restored((0, 1, 2), True, now=3.0)
+    assert c.control()["resume"] == {"0": [50, 500]} and c.steps_redone == 0
+    report(c, 0, 50, done=True, stopped=1)  # it resumed at its last step: done at once
+    assert c.finished
+
+
+def test_an_interval_in_steps_counts_the_slowest_rank_from_the_last_checkpoint():
+    c = cycle(interval_steps=20)
+    report(c, 0, 25)
+    report(c, 1, 19)
+    c.tick(1.0)
+    assert c.phase is Phase.TRAINING
+    report(c, 1, 20)
+    c.tick(1.0)
+    assert c.phase is Phase.PAUSING
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        CheckpointCycle("ecrec", 1, 1, interval_seconds=1.0)
+    with pytest.raises(ValueError):
+        CheckpointCycle("checkpoint", 1, 1)
