@@ -132,15 +132,22 @@ def test_a_final_checkpoint_ends_training_and_a_later_failure_redoes_nothing():
     assert c.finished
 
 
-def test_an_interval_in_steps_counts_the_slowest_rank_from_the_last_checkpoint():
+def test_an_interval_in_steps_is_published_ahead_so_every_rank_pauses_after_the_same_step():
     c = cycle(interval_steps=20)
-    report(c, 0, 25)
-    report(c, 1, 19)
-    c.tick(1.0)
-    assert c.phase is Phase.TRAINING
-    report(c, 1, 20)
-    c.tick(1.0)
-    assert c.phase is Phase.PAUSING
+    ctl = c.control()
+    assert ctl["pause"] == 1 and ctl["pauseAtStep"] == 20  # armed from the start
+    assert report(c, 0, 20, paused=1) == []  # the fast rank waits at step 20 for the slow one
+    assert c.holding
+    assert report(c, 1, 13) == [] and c.tick(100.0) == []  # no time-based checkpoint meanwhile
+    assert report(c, 1, 20, paused=1) == [Act("write", 1, (0, 1, 2))]
+    assert c.written(1, True, now=2.0) == [Act("commit", 1, progress=((0, 20, 200), (1, 20, 200)))]
+    ctl = c.control()
+    assert ctl["pause"] == 2 and ctl["pauseAtStep"] == 40 and not c.holding
+    # Every rank done before the next multiple: that checkpoint becomes the final one, at once.
+    report(c, 0, 30, done=True)
+    report(c, 1, 30, done=True)
+    c.tick(3.0)
+    assert c.phase is Phase.WRITING and c.pending == 2 and c.pending_final
 
 
 def test_settings_are_checked():

@@ -91,7 +91,8 @@ def test_defaults_fill_every_section() -> None:
     assert ft.strategy == "none"
     assert (ft.ecrec.k, ft.ecrec.r, ft.ecrec.code, ft.ecrec.two_phase_commit) == (4, 1, "xor", True)
     assert (ft.ecrec.replicate_dense, ft.ecrec.lock_group_rows) == (True, 65536)
-    assert (ft.checkpoint.interval_seconds, ft.checkpoint.path) == (30.0, "out/checkpoints")
+    assert (ft.checkpoint.interval_seconds, ft.checkpoint.interval_steps) == (30.0, None)
+    assert (ft.checkpoint.path, ft.checkpoint.keep) == ("checkpoints", 2)
     assert (ft.checknrun.quantize_bits, ft.checknrun.incremental) == (8, True)
     assert ft.cpr.hot_row_fraction == 0.1
 

@@ -506,3 +506,56 @@ def test_a_shard_not_recovered_in_time_and_a_stalled_job_fail_with_the_reason():
     coord.tick()
     status = api.get("/v1/status").json()
     assert status["phase"] == "Failed" and "no worker completed a step" in status["reason"]
+
+
+def test_checkpoint_and_restore_are_refused_where_no_checkpoint_strategy_runs(served):
+    before = state_of(served.store)
+    refused(
+        lambda: served.stub.Restore(pb.RestoreRequest(checkpoint=0)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "takes no checkpoints",
+    )
+    refused(
+        lambda: served.stub.Checkpoint(pb.CheckpointRequest(checkpoint=1)),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "takes no checkpoints",
+    )
+    assert_same(before, state_of(served.store))
+
+
+def test_a_restore_of_a_checkpoint_that_was_never_committed_changes_nothing(tmp_path):
+    ctx = make_ctx(
+        servers__replicas=N,
+        faultTolerance__strategy="checkpoint",
+        faultTolerance__checkpoint__path=str(tmp_path),
+    )
+    store = ShardStore(ctx, 1, wait_timeout=5.0)
+    servicer = ParameterServicer(
+        store, Metrics("t", "server", "1"), ClusterView(snapshot=snapshot(3)), epoch=3
+    )
+    server, port = start_grpc(servicer, "127.0.0.1:0", threads=4)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.ParameterServerStub(ch)
+            before = state_of(store)
+            refused(
+                lambda: stub.Restore(pb.RestoreRequest(checkpoint=7)),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "never completed",
+            )
+            refused(
+                lambda: stub.Checkpoint(pb.CheckpointRequest(checkpoint=0)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "ids start at 1",
+            )
+            assert_same(before, state_of(store))
+            # Its own shard file of a checkpoint, without a manifest, is no checkpoint either.
+            assert stub.Checkpoint(pb.CheckpointRequest(checkpoint=7)).rows == store.num_rows
+            refused(
+                lambda: stub.Restore(pb.RestoreRequest(checkpoint=7)),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "never completed",
+            )
+            assert_same(before, state_of(store))
+    finally:
+        server.stop(None)

@@ -183,6 +183,20 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         # A spec the schema could not reject (cross-field rules): nothing is created.
         _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
         return
+    if job.spec.fault_tolerance.strategy not in ("none", "ecrec"):
+        # The checkpoint strategies need a directory every pod of the job shares (a PersistentVolumeClaim),
+        # which the operator does not mount yet: refused rather than run with per-pod directories.
+        strategy = job.spec.fault_tolerance.strategy
+        _fail(
+            patch,
+            body,
+            status,
+            now,
+            "ECRecJobInvalidSpec",
+            f"faultTolerance.strategy {strategy}: not "
+            "supported on Kubernetes yet (it runs with ecrec local); use none or ecrec",
+        )
+        return
     pods = _pods(pods_by_job, namespace, name)
     if not pods and not status.get("coordinatorIncarnation"):
         # Before anything starts: data files that are missing or malformed fail here with one line, not as
@@ -226,7 +240,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         deleting=bool(meta.get("deletionTimestamp")),
         replacements=replacements,
         backoff_limit=run_policy.backoff_limit,
-        recoverable=job.spec.fault_tolerance.strategy == "ecrec",
+        recoverable=job.spec.fault_tolerance.strategy != "none",
         # After training, servers are kept whole until the final checks have run (then cleanPodPolicy).
         settle_after_finish=True,
         coordinator_incarnation=max(

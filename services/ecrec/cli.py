@@ -30,10 +30,10 @@ def cmd_local(args) -> int:
 
     console = Console(stderr=True)
     ctx = _job(args)
-    if ctx.spec.fault_tolerance.strategy not in ("none", "ecrec"):
+    if ctx.spec.fault_tolerance.strategy not in ("none", "ecrec", "checkpoint", "cpr"):
         console.print(
             f"[red]error:[/] faultTolerance.strategy '{ctx.spec.fault_tolerance.strategy}' is not "
-            "implemented yet; use 'none' or 'ecrec'"
+            "implemented yet; use none, ecrec, checkpoint or cpr"
         )
         return 2
     try:
@@ -42,10 +42,15 @@ def cmd_local(args) -> int:
         console.print(f"[red]error:[/] {e}")
         return 2
     server_kills = any(target != "coordinator" for target, _at in kills)
-    if (server_kills or args.chaos) and not ctx.ecrec:
+    if (server_kills or args.chaos) and ctx.spec.fault_tolerance.strategy == "none":
         console.print(
-            "[red]error:[/] killing servers (--kill/--chaos) needs faultTolerance.strategy 'ecrec' "
-            "(nothing could recover)"
+            "[red]error:[/] killing servers (--kill/--chaos) needs a faultTolerance.strategy other than "
+            "'none' (nothing could recover)"
+        )
+        return 2
+    if ctx.checkpointing and any(target == "coordinator" for target, _at in kills):
+        console.print(
+            "[red]error:[/] coordinator failover is not supported with the checkpoint strategies yet"
         )
         return 2
     if args.rebuild_error and not ctx.spec.training.deterministic:

@@ -296,7 +296,7 @@ class PSClient:
             calls = []
             for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
                 pos = todo[pos]
-                if self.failed(s):  # degraded read at the parity servers
+                if self.ft and self.failed(s):  # degraded read at the parity servers
                     pservers, _idx = self.ctx.placement.parity_of(s, self.ctx.placement.local_row(g[pos]))
                     for p in pservers.unique().tolist():
                         sub = pos[pservers == p]
@@ -342,7 +342,9 @@ class PSClient:
     # -- dense parameters ------------------------------------------------------------------------------
     def dense_targets(self, chunk: int) -> list[int]:
         """Live replicas of a dense chunk, serving ones first."""
-        holders = [h for h in self.ctx.dense_holders(chunk) if not self.failed(h)]
+        # Without ECRec there is no replica to fall back on: the call to a lost server fails (ServerUnavailable)
+        # and the strategy decides what then (docs/protocol.md, "Checkpoint strategies").
+        holders = [h for h in self.ctx.dense_holders(chunk) if not (self.ft and self.failed(h))]
         return sorted(holders, key=lambda h: self.states.get(h) != "up")
 
     def pull_dense(self) -> torch.Tensor:

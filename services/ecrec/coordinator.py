@@ -29,10 +29,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from ecrec import auth
+from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
 from ecrec.core.recovery import RecoveryRecord, plan_recovery
 from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
+from ecrec.ft.driver import CheckpointDriver
 from ecrec.metrics import coordinator_metrics
 from ecrec.spec import Job, JobSpec
 
@@ -100,6 +102,9 @@ class Progress(BaseModel):
     done: bool = False
     error: str | None = None
     lastStepAt: float | None = None  # wall-clock time the worker's latest step completed
+    # Checkpoint strategies: the checkpoint it is paused for, the rollback generation it has caught up with.
+    paused: int | None = None
+    stopped: int = 0
     # Counters of this worker process since it started (exported by the coordinator, ecrec.metrics):
     degradedReads: dict[int, int] = {}  # failed shard -> rows read by decoding
     degradedWrites: dict[int, int] = {}  # failed shard -> rows updated at their acting home
@@ -210,7 +215,7 @@ class Coordinator:
         self.cluster = ClusterMap(
             num_servers=spec.servers.replicas,
             failure_timeout=spec.coordinator.failure_timeout_seconds,
-            recoverable=spec.fault_tolerance.strategy == "ecrec",
+            recoverable=spec.fault_tolerance.strategy != "none",
             generation=generation,
         )
         self.progress = JobProgress(num_workers=spec.workers.replicas)
@@ -221,6 +226,11 @@ class Coordinator:
         self.recoveries: list[RecoveryRecord] = []
         self._drivers: dict[int, threading.Thread] = {}
         self._stop = threading.Event()
+        self.ckpt: CheckpointDriver | None = None
+        if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
+            if seed is not None:
+                raise Refused("coordinator failover is not supported with the checkpoint strategies yet")
+            self.ckpt = CheckpointDriver(self)
         if seed is not None:
             self._restore(seed)
 
@@ -294,6 +304,10 @@ class Coordinator:
                 if self.cluster.recoverable:
                     rec = self.open_recovery(tr.shard)
                     rec.detected_at = rec.detected_at or tr.at
+                if self.ckpt is not None:
+                    self.ckpt.feed(self.ckpt.cycle.failure(tr.shard))
+            elif tr.kind == "replacement_registered" and self.ckpt is not None:
+                self.ckpt.feed(self.ckpt.cycle.registered(tr.shard))
             elif tr.kind == "rejoined" and self.cluster.shards[tr.shard].state is ShardState.RECOVERING:
                 # a replacement the seed did not know: its failure has a record here from now on
                 rec = self.open_recovery(tr.shard)
@@ -407,6 +421,8 @@ class Coordinator:
             now = self.clock()
             self._apply(self.cluster.tick(now))
             self._check_workers(now)
+            if self.ckpt is not None:
+                self.ckpt.feed(self.ckpt.cycle.tick(now))
             self.progress.sample(now)
             m = self.metrics
             m.of(m.throughput).set(self.progress.recent_rate() if self.progress.finished_at is None else 0.0)
@@ -440,7 +456,7 @@ class Coordinator:
         if self.cluster.recoverable:
             lost = self.cluster.lost()
             r = spec.fault_tolerance.ecrec.r
-            if len(lost) > r:
+            if self.ckpt is None and len(lost) > r:  # checkpoints restore any number of lost shards
                 placement = self._placement()
                 names = ", ".join(f"{s} ({self.cluster.shards[s].state.value})" for s in lost)
                 return (
@@ -457,6 +473,8 @@ class Coordinator:
                     )
                     return f"shard {rec.shard} not recovered within {limit:g}s of its failure ({rec.state}: {doing})"
         limit = spec.coordinator.progress_timeout_seconds
+        if self.ckpt is not None and (self.ckpt.cycle.holding or self.ckpt.cycle.all_done()):
+            return None  # paused for a checkpoint or a restore, bounded by the recovery timeout above
         since = self.last_step_at or self.progress.started_at
         # Workers give up after `limit` without progress and say why; this is the backstop for a worker that
         # cannot even say so.
@@ -510,7 +528,7 @@ class Coordinator:
             w.heard_at, w.unresponsive = self.clock(), False
             self._maybe_start()
             # A replacement resumes the rank where its predecessor's last progress report ended.
-            return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}}
+            return {**self.start_state(), "resume": {"step": w.step, "samples": w.samples}, **self.control()}
 
     def _rejoin_worker(self, req: RegisterWorker, known: WorkerProgress | None) -> dict:
         """A worker that registered with an earlier generation: the seed lists it (its progress reports were
@@ -548,6 +566,8 @@ class Coordinator:
             p.started_at = now
             p.samples_log.append((now, 0))
             p.event("training_started", now)
+            if self.ckpt is not None:
+                self.ckpt.feed(self.ckpt.cycle.started(now))
 
     def start_state(self, rank: int | None = None, instance: str = "") -> dict:
         """Has training started? With `rank` and `instance`, also whether that worker is registered here (a
@@ -562,6 +582,13 @@ class Coordinator:
     def report_progress(self, req: Progress) -> dict:
         with self.lock:
             w = self._worker(req.rank, req.instance)
+            if self.ckpt is not None and req.stopped < self.ckpt.cycle.rollback:
+                # Sent before the worker heard of the latest rollback: its counts are from before the restore.
+                w.heard_at = self.clock()
+                self.ckpt.feed(
+                    self.ckpt.cycle.report(req.rank, w.step, w.samples, w.done, req.paused, req.stopped)
+                )
+                return {"epoch": self.cluster.epoch, **self.control()}
             if req.step < w.step or req.samples < w.samples:
                 raise Refused(f"worker {req.rank}: step {req.step} is behind its last report (step {w.step})")
             if req.loss is not None and not math.isfinite(req.loss):
@@ -595,12 +622,44 @@ class Coordinator:
             self.reports.add(req.rank, req.instance, req.degradedReads, req.degradedWrites, latency)
             if req.error and self.failed_reason is None:  # the first reason is the cause; later ones follow
                 self.failed_reason = f"worker {req.rank}: {req.error}"
+            if self.ckpt is not None:
+                self.ckpt.feed(
+                    self.ckpt.cycle.report(req.rank, w.step, w.samples, w.done, req.paused, req.stopped)
+                )
             if self.finished and self.progress.finished_at is None:
                 now = self.clock()
                 self.progress.sample(now)
                 self.progress.finished_at = now
                 self.progress.event("training_finished", now)
-            return {"epoch": self.cluster.epoch}
+            return {"epoch": self.cluster.epoch, **self.control()}
+
+    def control(self) -> dict:
+        """What the checkpoint strategies tell workers now; nothing for the others."""
+        with self.lock:
+            return {"control": self.ckpt.cycle.control()} if self.ckpt is not None else {}
+
+    def complete_restore(self, shard: int, rows: int, now: float) -> None:
+        """A replacement loaded its checkpoint (checkpoint strategies): its shard is up again."""
+        self._apply(self.cluster.recovered(shard, now))
+        rec = self.open_recovery(shard)
+        rec.state, rec.completed_at, rec.error, rec.rows_recovered = "completed", now, None, rows
+        rec.started_at = rec.started_at or now
+        self.progress.event("recovery_completed", now, shard=shard, rows=rows)
+        m = self.metrics
+        m.of(m.recoveries_completed).inc()
+        m.of(m.rows_recovered, shard=str(shard)).inc(rows)
+        m.of(m.time_to_recover).observe(now - (rec.killed_at or rec.detected_at or now))
+
+    def rolled_back(self, resume: dict[int, tuple[int, int]]) -> None:
+        """Every rank goes back to the step the restored checkpoint recorded for it."""
+        p = self.progress
+        for rank, (step, samples) in resume.items():
+            w = p.workers.get(rank)
+            if w is not None:
+                w.step, w.samples, w.done = step, samples, False
+        p.finished_at = None
+        self.last_step_at = self.clock()  # the stall clock starts again with the replay
+        p.event("rolled_back", self.clock(), steps={str(r): s for r, (s, _n) in resume.items()})
 
     def worker_lost(self, req: WorkerLost) -> dict:
         """A worker process died before finishing its steps: the job finishes without them, or, if a
@@ -611,6 +670,8 @@ class Coordinator:
                 return {"epoch": self.cluster.epoch}  # finished, or reported lost already
             w.lost, w.done = True, not req.replacing
             self.progress.event("worker_lost", self.clock(), worker=req.rank, step=w.step)
+            if self.ckpt is not None:
+                self.ckpt.feed(self.ckpt.cycle.worker_lost(req.rank))
             if self.finished and self.progress.finished_at is None:
                 now = self.clock()
                 self.progress.finished_at = now
@@ -638,6 +699,12 @@ class Coordinator:
             raise HTTPException(409, "recovery needs faultTolerance.strategy 'ecrec'")
         if not 0 <= shard < self.cluster.num_servers:
             raise HTTPException(400, f"shard {shard} out of range")
+        if self.ckpt is not None:
+            with self.lock:  # the checkpoint cycle restores replacements by itself: this only reports
+                rec = self.open_recovery(shard)
+                if rec.state == "detected" and self.cluster.shards[shard].state is ShardState.RECOVERING:
+                    rec.state = "waiting"
+                return rec.to_dict(self.progress.started_at)
         with self.lock:
             state = self.cluster.shards[shard].state
             if state is not ShardState.RECOVERING:
@@ -781,7 +848,8 @@ class Coordinator:
     @property
     def finished(self) -> bool:
         p = self.progress
-        return len(p.workers) == p.num_workers and all(w.done for w in p.workers.values())
+        done = len(p.workers) == p.num_workers and all(w.done for w in p.workers.values())
+        return done and (self.ckpt is None or self.ckpt.cycle.finished)
 
     def phase(self) -> str:
         if self.failed_reason:
@@ -937,6 +1005,10 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/workers/progress")
     def progress(req: Progress) -> dict:
         return coord.report_progress(req)
+
+    @app.get("/v1/workers/control")
+    def control() -> dict:
+        return coord.control().get("control") or {}
 
     @app.post("/v1/workers/lost")
     def worker_lost(req: WorkerLost) -> dict:

@@ -37,6 +37,8 @@ POINTS = (
     "coordinator:recovered_data",
     "coordinator:recovered_parity",
     "coordinator:recovery_completed",
+    "checkpoint:before_write",
+    "checkpoint:after_write",
 )
 
 _process = ""

@@ -47,6 +47,11 @@ class JobContext:
     def ecrec(self) -> bool:
         return self.spec.fault_tolerance.strategy == "ecrec"
 
+    @property
+    def checkpointing(self) -> bool:
+        """A checkpoint strategy (checkpoint, checknrun, cpr): servers restore from stable storage."""
+        return self.spec.fault_tolerance.strategy in ("checkpoint", "checknrun", "cpr")
+
     @cached_property
     def placement(self) -> Placement:
         if self.ecrec:

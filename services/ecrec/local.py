@@ -28,6 +28,7 @@ import httpx
 from ecrec import auth
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.jobctx import JobContext
+from ecrec.spec import JobSpec
 
 PR_SET_PDEATHSIG = 1
 
@@ -111,6 +112,8 @@ class LocalCluster:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "logs").mkdir(exist_ok=True)
         self.job_file = self.out_dir / "job.json"
+        if self.ctx.checkpointing:  # a relative checkpoint directory lives under OUT, wherever processes run
+            self.ctx = _absolute_checkpoint_path(self.ctx, self.out_dir)
         self.job_file.write_text(self.ctx.to_json())
         # The job's token (ecrec.auth): every process gets it by env, the launcher's own calls carry it.
         if self.ctx.token is None:
@@ -368,7 +371,7 @@ class Supervisor:
             procs=cluster.observe(),
             status=status,
             replacements=self.respawns,
-            recoverable=ctx.ecrec,
+            recoverable=ctx.spec.fault_tolerance.strategy != "none",
             settle_after_finish=True,  # the report's checks need every shard whole after training
         )
         for action in reconcile(obs):
@@ -467,7 +470,8 @@ def run_local(
     try:
         cluster.start(timeout=start_timeout, on_coordinator_lost=lambda: supervisor.reconcile(cluster, None))
         status = _watch(cluster, total, progress, tick)
-        if ctx.ecrec:
+        recoverable = ctx.spec.fault_tolerance.strategy != "none"
+        if recoverable:
             _wait_recovered(cluster, supervisor)
         extra["rpcs_served"] = rpcs_served(cluster.get("/cluster"))  # before evaluation adds its reads
         client = PSClient(ctx, cluster.get("/cluster"))
@@ -486,7 +490,7 @@ def run_local(
         status = cluster.get("/v1/status")
     finally:
         cluster.shutdown()
-    if ctx.ecrec:
+    if recoverable:
         extra["recoveries"] = [
             {
                 k: r[k]
@@ -620,3 +624,13 @@ def _watch(cluster: LocalCluster, total_samples: int, progress: bool, on_tick) -
 def write_report(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
+
+
+def _absolute_checkpoint_path(ctx: JobContext, out_dir: Path) -> JobContext:
+    doc = ctx.spec.to_dict()
+    ft = doc["faultTolerance"]
+    section = ft.setdefault(ft["strategy"], {})
+    path = Path(section.get("path") or "checkpoints")
+    section["path"] = str(path if path.is_absolute() else (out_dir / path).resolve())
+    job = dataclasses.replace(ctx.job, spec=JobSpec.model_validate(doc))
+    return dataclasses.replace(ctx, job=job)

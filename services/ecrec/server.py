@@ -596,6 +596,52 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             records=floats_to_bytes(recs), width=recs.shape[1], count=recs.shape[0], txns=txns
         )
 
+    # -- checkpoint strategies ---------------------------------------------------------------------------
+    def _checkpoints(self):
+        from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
+        from ecrec.ft.files import ManifestStore
+
+        ctx = self.store.ctx
+        if ctx.spec.fault_tolerance.strategy not in CHECKPOINT_STRATEGIES:
+            raise WrongState(
+                f"faultTolerance.strategy {ctx.spec.fault_tolerance.strategy} takes no checkpoints"
+            )
+        return ManifestStore.for_job(ctx.job)
+
+    @rpc("Checkpoint", check_epoch=False)
+    def Checkpoint(self, request, context):
+        """Write this shard's part of checkpoint `checkpoint` under the job's checkpoint directory."""
+        from ecrec.ft.files import write_shard
+
+        start = time.perf_counter()
+        store = self._checkpoints()
+        if request.checkpoint < 1:
+            raise InvalidRequest("checkpoint: ids start at 1")
+        faults.fault_point("checkpoint:before_write")
+        entry = write_shard(store.root, request.checkpoint, self.store.shard, self.store.checkpoint_tensors())
+        faults.fault_point("checkpoint:after_write")
+        return pb.CheckpointResponse(
+            file=entry["file"],
+            sha256=entry["sha256"],
+            bytes=entry["bytes"],
+            rows=self.store.num_rows,
+            seconds=time.perf_counter() - start,
+        )
+
+    @rpc("Restore", check_epoch=False)
+    def Restore(self, request, context):
+        """Load this shard's part of a committed checkpoint (0: the initial state), replacing all its state."""
+        from ecrec.ft.files import CheckpointError
+
+        start = time.perf_counter()
+        store = self._checkpoints()
+        try:
+            tensors = store.read_shard(request.checkpoint, self.store.shard) if request.checkpoint else None
+        except CheckpointError as e:
+            raise WrongState(str(e)) from e
+        rows = self.store.load_checkpoint(tensors)
+        return pb.RestoreResponse(rows=rows, seconds=time.perf_counter() - start)
+
 
 def start_grpc(
     servicer: ParameterServicer, bind: str, threads: int = 64, token: str | None = None

@@ -423,29 +423,47 @@ class EcrecSpec(_Section):
     )
 
 
-class CheckpointSpec(_Section):
-    """Periodic full checkpoints."""
+class _Checkpoints(_Section):
+    """When and where a checkpoint strategy writes its checkpoints."""
 
-    interval_seconds: float = Field(default=30.0, gt=0, description="Seconds between checkpoints")
-    path: str = Field(default="out/checkpoints", min_length=1, description="Checkpoint directory")
+    interval_seconds: float = Field(
+        default=30.0, gt=0, description="Seconds from the end of one checkpoint to the start of the next"
+    )
+    interval_steps: PosInt | None = Field(
+        default=None,
+        description="Steps (of the slowest worker) between checkpoints; when set, replaces intervalSeconds",
+    )
+    path: str = Field(
+        default="checkpoints",
+        min_length=1,
+        description="Checkpoint directory, shared by the coordinator and the servers (on Kubernetes a "
+        "PersistentVolumeClaim's mount); relative: under ecrec local's --out",
+    )
+    keep: PosInt = Field(default=2, description="Complete checkpoints kept; older ones are deleted")
 
 
-class ChecknrunSpec(_Section):
-    """Check-N-Run: incremental, quantized checkpoints."""
+class CheckpointSpec(_Checkpoints):
+    """Periodic full checkpoints: training pauses while every server writes its shard; after a server
+    failure every server reloads the last one and the workers redo the steps since."""
 
-    interval_seconds: float = Field(default=30.0, gt=0, description="Seconds between checkpoints")
-    path: str = Field(default="out/checkpoints", min_length=1, description="Checkpoint directory")
+
+class ChecknrunSpec(_Checkpoints):
+    """Check-N-Run: incremental, quantized checkpoints (not implemented yet)."""
+
     quantize_bits: Literal[4, 8, 16, 32] = Field(default=8, description="Bits per stored value")
     incremental: bool = Field(default=True, description="Store only rows changed since the last checkpoint")
 
 
-class CprSpec(_Section):
-    """CPR: partial recovery with frequent checkpoints of hot rows."""
+class CprSpec(_Checkpoints):
+    """CPR: partial recovery. Checkpoints as strategy checkpoint, but after a server failure only its
+    replacement loads its shard of the last one; nobody rolls back."""
 
-    interval_seconds: float = Field(default=30.0, gt=0, description="Seconds between checkpoints")
-    path: str = Field(default="out/checkpoints", min_length=1, description="Checkpoint directory")
     hot_row_fraction: float = Field(
-        default=0.1, gt=0, le=1, description="Fraction of rows (most updated) saved more often"
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Fraction of rows (the most used) saved more often, CPR's MFU/SSU (not implemented yet: "
+        "every checkpoint saves every row)",
     )
 
 

@@ -202,7 +202,10 @@ class ShardStore:
         for c in ctx.dense_chunks_of(shard):
             lo, hi = ctx.dense_bounds[c]
             self.dense[c] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
-            self.dense_ready[c] = not replacement or len(ctx.dense_holders(c)) == 1
+            # A lone replica has nothing to copy from: ready at once, unless a checkpoint restores it.
+            self.dense_ready[c] = not replacement or (
+                len(ctx.dense_holders(c)) == 1 and not ctx.checkpointing
+            )
             self.dense_log[c] = OrderedDict()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
@@ -590,6 +593,54 @@ class ShardStore:
 
     def recovery_done(self) -> bool:
         return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and all(self.dense_ready.values())
+
+    # ---------------------------------------------------------------------------------------------------
+    # checkpoints (strategies checkpoint, checknrun, cpr: docs/protocol.md, "Checkpoint strategies")
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """A copy of this shard's state: its row records and versions, its dense chunks. Workers are paused
+        for a checkpoint, so nothing is in flight and the copy is a consistent cut."""
+        with self.lock:
+            out = {"rows": self.rows.records.clone(), "versions": self.rows.versions.clone()}
+            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
+        return out
+
+    def _initial_tensors(self) -> dict[str, torch.Tensor]:
+        """The state the job starts from (a pure function of the seed), for a restore with no checkpoint yet."""
+        seed = self.ctx.spec.training.seed
+        out = {
+            "rows": self._init_records(
+                self.placement.global_id(self.shard, torch.arange(self.num_rows)), seed
+            ),
+            "versions": torch.zeros(self.num_rows, dtype=torch.int64),
+        }
+        flat = init_dense(*_model_args(self.ctx), seed=seed)
+        for c in self.dense:
+            lo, hi = self.ctx.dense_bounds[c]
+            out[f"dense.{c}"] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
+        return out
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor] | None) -> int:
+        """Replace this shard's whole state with a checkpoint's (None: the initial state). Returns the data
+        rows loaded. A checkpoint of another shape is refused and changes nothing."""
+        t = self._initial_tensors() if tensors is None else tensors
+        expect = {"rows": (self.num_rows, self.ctx.record_width), "versions": (self.num_rows,)}
+        expect |= {f"dense.{c}": tuple(recs.shape) for c, recs in self.dense.items()}
+        for key, shape in expect.items():
+            if key not in t or tuple(t[key].shape) != shape:
+                got = tuple(t[key].shape) if key in t else "missing"
+                raise InvalidRequest(f"checkpoint of shard {self.shard}: {key} is {got}, expected {shape}")
+        with self.lock:
+            self.rows.records.copy_(t["rows"])
+            self.rows.versions.copy_(t["versions"])
+            for c in self.dense:
+                self.dense[c] = t[f"dense.{c}"].clone()
+                self.dense_ready[c] = True
+                self.dense_log[c].clear()
+            self.row_ready.fill_(True)
+            self.replacement = False
+            self.outcomes.clear()
+            self.cond.notify_all()
+        return self.num_rows
 
     # ---------------------------------------------------------------------------------------------------
     # updates without 2PC (strategy none, or twoPhaseCommit: false)

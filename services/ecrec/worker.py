@@ -307,20 +307,21 @@ class Holds:
         self.ctx, self.rank, self.link, self.reporter = ctx, rank, link, reporter
         self.rolls_back = ctx.spec.fault_tolerance.strategy in ROLLBACK_STRATEGIES
         control = control or {}
-        self.acked = int(
-            control.get("rollback", 0)
-        )  # the rollback generation this process has caught up with
-        self.paused_for = control.get("pause")  # a checkpoint begun before this process joined holds it not
+        # The rollback generation this process has caught up with (a replacement starts at the current one).
+        self.acked = reporter.stopped = int(control.get("rollback", 0))
+        self.paused_for: int | None = None  # the checkpoint it last paused for
         self.client: PSClient | None = None
 
-    def check(self, in_flight) -> int | None:
-        """Called at each step boundary: None to go on, or the step to go on from after a rollback."""
+    def check(self, in_flight, step: int) -> int | None:
+        """Called at each step boundary, `step` steps done: None to go on, or the step to go on from after a
+        rollback. A checkpoint with `pauseAtStep` (intervalSteps) holds this rank once it has done that many
+        steps, so every rank's cut is at the same step; one without holds it now."""
         ctl = self.reporter.control or {}
         if int(ctl.get("rollback", 0)) > self.acked:
             _settle(in_flight)
             return self._stop()
-        pause = ctl.get("pause")
-        if pause is not None and pause != self.paused_for:
+        pause, at = ctl.get("pause"), ctl.get("pauseAtStep")
+        if pause is not None and pause != self.paused_for and (at is None or step >= at):
             _settle(in_flight)
             return self._pause(pause)
         return None
@@ -331,6 +332,7 @@ class Holds:
         try:
             while True:
                 ctl = self.link.control()
+                self.reporter.control = ctl  # the next checkpoint may be armed already
                 if int(ctl["rollback"]) > self.acked:
                     return self._stop()
                 if ctl["pause"] != checkpoint:
@@ -348,6 +350,7 @@ class Holds:
                 self.reporter.stopped = gen
                 self.reporter.post_now()
             resume = ctl.get("resume")
+            self.reporter.control = ctl
             if gen == self.reporter.stopped and resume is not None and str(self.rank) in resume:
                 step, samples = (int(x) for x in resume[str(self.rank)])
                 log.info("rolled back (rollback %d): resuming at step %d", gen, step)
@@ -439,7 +442,9 @@ def run_worker(
     data = data_source(ctx)
     holds = None
     if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
-        holds = Holds(ctx, rank, link, reporter, registered.get("control"))
+        control = link.control()  # now: an intervalSteps checkpoint may be due within the first report's wait
+        reporter.control = control
+        holds = Holds(ctx, rank, link, reporter, control)
         holds.client = client
     in_flight = None
     B = spec.training.batch_size
@@ -447,7 +452,7 @@ def run_worker(
     try:
         while True:
             while step < spec.training.steps:
-                if holds is not None and (jump := holds.check(in_flight)) is not None:
+                if holds is not None and (jump := holds.check(in_flight, step)) is not None:
                     in_flight, step = None, jump
                     continue
                 batch = data.batch(step * workers + rank, B)

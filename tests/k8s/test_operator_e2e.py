@@ -172,18 +172,26 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
     assert m[("ecrec_operator_actions_total", (("kind", "start_recovery"),))] >= 1
 
 
+def wait_failed(kube, name: str) -> dict:
+    def failed():
+        st = get_job(kube, name).get("status") or {}
+        return st if st.get("phase") == "Failed" else None
+
+    return wait_for("the job to fail", failed, 60)
+
+
 def test_an_invalid_spec_fails_with_the_reason_and_creates_nothing(kube, operator):
     name = "e2e-invalid"
     kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"faultTolerance.ecrec.k": 5}))
-    status = wait_for(
-        "the job to fail",
-        lambda: (
-            (get_job(kube, name).get("status") or {}).get("phase") == "Failed"
-            and get_job(kube, name)["status"]
-        ),
-        60,
-    )
+    status = wait_failed(kube, name)
     assert "k + r" in status["reason"] or "servers" in status["reason"], status
+    assert pods(kube, f"ecrec.dev/job={name}") == []
+    # A strategy the operator cannot run yet (the checkpoint baselines need a shared volume) is refused the
+    # same way, with the reason, before any pod exists.
+    name = "e2e-ckpt"
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"faultTolerance.strategy": "checkpoint"}))
+    status = wait_failed(kube, name)
+    assert "not supported on Kubernetes yet" in status["reason"], status
     assert pods(kube, f"ecrec.dev/job={name}") == []
 
 

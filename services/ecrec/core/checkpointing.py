@@ -19,7 +19,6 @@ training restores the final state with nothing to redo.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -84,6 +83,9 @@ class CheckpointCycle:
     next_id: int = 1
     pending: int | None = None  # the checkpoint being paused for or written
     pending_final: bool = False
+    pause_at: int | None = (
+        None  # intervalSteps: workers pause for `pending` once they completed this many steps
+    )
     last: Committed | None = None
     rollback: int = 0  # generation: +1 per failure a rollback strategy answers
     resume: Progress | None = None  # where each rank resumes after the last rollback
@@ -108,6 +110,7 @@ class CheckpointCycle:
     def started(self, now: float) -> list[Act]:
         """Training started (every worker and server registered)."""
         self.last_end = now
+        self._arm()
         return []
 
     def report(
@@ -125,14 +128,11 @@ class CheckpointCycle:
         return self._advance()
 
     def tick(self, now: float) -> list[Act]:
-        if (
-            self.phase is Phase.TRAINING
-            and self.last_end is not None
-            and not self.failed
-            and not self.restoring
-        ):
-            if self._due(now) or (self._all_done() and not (self.last and self.last.final)):
-                self._begin_pause(final=self._all_done())
+        armed = self.phase is Phase.PAUSING and self.pause_at is not None and not self.pending_final
+        if (self.phase is Phase.TRAINING or armed) and self.last_end is not None and not self.failed:
+            final_due = self.all_done() and not (self.last and self.last.final)
+            if not self.restoring and (final_due or (not armed and self._due(now))):
+                self._begin_pause(final=self.all_done())
         return self._advance()
 
     def failure(self, shard: int) -> list[Act]:
@@ -174,6 +174,7 @@ class CheckpointCycle:
         self.pending, self.pending_final = None, False
         self.phase = Phase.TRAINING
         self.last_end = now
+        self._arm()
         return acts + self._advance()
 
     def restored(self, shards: tuple[int, ...], ok: bool, now: float) -> list[Act]:
@@ -192,6 +193,8 @@ class CheckpointCycle:
             self.last_end = now
         else:
             self.restoring.difference_update(shards)
+        if self.phase is Phase.TRAINING and not self.failed and not self.restoring:
+            self._arm()
         return self._advance()
 
     # ------------------------------------------------------------------------------------------ outputs --
@@ -200,12 +203,20 @@ class CheckpointCycle:
         return {
             "phase": self.phase.value,
             "pause": self.pending if self.phase in (Phase.PAUSING, Phase.WRITING) else None,
+            "pauseAtStep": self.pause_at if self.phase is Phase.PAUSING else None,
             "rollback": self.rollback,
             "resume": None
-            if self.resume is None or self.phase is not Phase.TRAINING
+            if self.resume is None or self.phase in (Phase.STOPPING, Phase.RESTORING)
             else {str(r): list(v) for r, v in self.resume.items()},
             "finished": self.finished,
         }
+
+    @property
+    def holding(self) -> bool:
+        """Training is held up by the cycle: a checkpoint being written or paused for, or a rollback."""
+        if self.phase in (Phase.WRITING, Phase.STOPPING, Phase.RESTORING):
+            return True
+        return self.phase is Phase.PAUSING and any(w.paused == self.pending for w in self.workers.values())
 
     @property
     def finished(self) -> bool:
@@ -216,20 +227,29 @@ class CheckpointCycle:
         return shard not in self.failed and shard not in self.restoring and self.phase is not Phase.RESTORING
 
     # ---------------------------------------------------------------------------------------- internals --
-    def _all_done(self) -> bool:
+    def all_done(self) -> bool:
         return len(self.workers) == self.num_workers and all(w.done for w in self.workers.values())
 
     def _due(self, now: float) -> bool:
-        if self.interval_seconds is not None:
-            return self.last_end is not None and now - self.last_end >= self.interval_seconds
-        base = min(self.last.progress.values(), default=(0, 0))[0] if self.last else 0
-        steps = min((w.step for w in self.workers.values()), default=0)
-        return len(self.workers) == self.num_workers and steps - base >= (self.interval_steps or math.inf)
+        """intervalSeconds: time for the next checkpoint (intervalSteps arms them ahead instead)."""
+        if self.interval_seconds is None:
+            return False
+        return self.last_end is not None and now - self.last_end >= self.interval_seconds
 
-    def _begin_pause(self, final: bool) -> None:
-        self.pending, self.pending_final = self.next_id, final
-        self.next_id += 1
+    def _begin_pause(self, final: bool, at_step: int | None = None) -> None:
+        if self.phase is not Phase.PAUSING:  # an armed checkpoint keeps its id when it becomes the final one
+            self.pending = self.next_id
+            self.next_id += 1
+        self.pending_final, self.pause_at = final, at_step
         self.phase = Phase.PAUSING
+
+    def _arm(self) -> None:
+        """intervalSteps: publish the next checkpoint ahead, at the next multiple of the interval above the
+        fastest rank, so every rank pauses after exactly that many steps (a cut at the same step)."""
+        if self.interval_steps is None or self.all_done():
+            return
+        fastest = max((w.step for w in self.workers.values()), default=0)
+        self._begin_pause(final=False, at_step=(fastest // self.interval_steps + 1) * self.interval_steps)
 
     def _advance(self) -> list[Act]:
         if self.phase is Phase.PAUSING:
@@ -237,6 +257,7 @@ class CheckpointCycle:
                 w.holds_for(self.pending) for w in self.workers.values()
             )
             if ready:
+                self.pending_final = self.pending_final or self.all_done()  # nothing after it: the last one
                 self.phase = Phase.WRITING
                 return [Act("write", self.pending, tuple(range(self.num_servers)), final=self.pending_final)]
         elif self.phase is Phase.STOPPING:

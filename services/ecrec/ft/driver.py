@@ -1,0 +1,174 @@
+"""The coordinator's adapter around `CheckpointCycle` (ecrec.core.checkpointing): it feeds the cycle what the
+coordinator learns and carries out its acts — `Checkpoint` and `Restore` calls to the servers, the manifest —
+on a thread of its own, one act at a time and never under the coordinator's lock (a checkpoint can take long).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ecrec import auth
+from ecrec.core.checkpointing import Act, CheckpointCycle
+from ecrec.core.cluster import ShardState
+
+if TYPE_CHECKING:
+    from ecrec.coordinator import Coordinator
+
+log = logging.getLogger("ecrec.coordinator")
+RPC_TIMEOUT = 600.0  # a shard of a large model takes a while to write or read
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class CheckpointDriver:
+    def __init__(self, coord: Coordinator):
+        from ecrec.ft.files import ManifestStore
+
+        self.coord = coord
+        spec = coord.spec
+        ft = spec.fault_tolerance
+        settings = getattr(ft, ft.strategy)
+        steps = getattr(settings, "interval_steps", None)
+        self.cycle = CheckpointCycle(
+            ft.strategy,
+            spec.workers.replicas,
+            spec.servers.replicas,
+            interval_seconds=None if steps else settings.interval_seconds,
+            interval_steps=steps,
+        )
+        self.store = ManifestStore.for_job(coord.job)
+        self.store.clear()  # generation 1 (failover is refused): this run starts from nothing
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._written: dict[int, list[dict]] = {}
+        self.last_pause_seconds: float | None = None
+        self._pause_began: float | None = None
+
+    # -- inputs: called with the coordinator's lock held ---------------------------------------------------
+    def feed(self, acts: list[Act]) -> None:
+        for act in acts:
+            if act.kind == "write" and self._pause_began is None:
+                self._pause_began = time.monotonic()
+            self._pool.submit(self._run, act)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- acts: on the driver's thread -----------------------------------------------------------------------
+    def _run(self, act: Act) -> None:
+        try:
+            {"write": self._write, "commit": self._commit, "restore": self._restore}[act.kind](act)
+        except Exception:  # noqa: BLE001 — a bug here must not kill the thread that runs every later act
+            log.exception("checkpoint act %s failed", act)
+
+    def _stubs(self, shards: tuple[int, ...]):
+        from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+
+        with self.coord.lock:
+            addresses = {s: self.coord.cluster.shards[s].address for s in shards}
+        channels = {s: auth.channel(a, self.coord.token) for s, a in addresses.items()}
+        return channels, {s: pb_grpc.ParameterServerStub(ch) for s, ch in channels.items()}
+
+    def _call_all(self, shards: tuple[int, ...], method: str, request) -> dict[int, object]:
+        """`method(request)` on every shard at once: shard -> response, or the RpcError it raised."""
+        channels, stubs = self._stubs(shards)
+        try:
+            futs = {
+                s: getattr(stub, method).future(request, timeout=RPC_TIMEOUT) for s, stub in stubs.items()
+            }
+            out: dict[int, object] = {}
+            for s, fut in futs.items():
+                try:
+                    out[s] = fut.result()
+                except grpc.RpcError as e:
+                    out[s] = e
+            return out
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _write(self, act: Act) -> None:
+        from ecrec.proto import ecrec_pb2 as pb
+
+        t0 = time.monotonic()
+        answers = self._call_all(
+            act.shards, "Checkpoint", pb.CheckpointRequest(checkpoint=act.checkpoint, final=act.final)
+        )
+        bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
+        for s, e in bad.items():
+            log.warning(
+                "checkpoint %d: server %d did not write its shard: %s", act.checkpoint, s, e.details()
+            )
+        self._written[act.checkpoint] = [
+            {"shard": s, "file": r.file, "sha256": r.sha256, "bytes": r.bytes, "rows": r.rows}
+            for s, r in sorted(answers.items())
+            if not isinstance(r, grpc.RpcError)
+        ]
+        with self.coord.lock:
+            self.coord.progress.event(
+                "checkpoint_written",
+                self.coord.clock(),
+                checkpoint=act.checkpoint,
+                ok=not bad,
+                seconds=round(time.monotonic() - t0, 3),
+            )
+            self.feed(self.cycle.written(act.checkpoint, not bad, self.coord.clock()))
+            if bad:
+                self._pause_ended()
+
+    def _commit(self, act: Act) -> None:
+        files = self._written.pop(act.checkpoint)
+        progress = [{"rank": r, "step": s, "samples": n} for r, s, n in act.progress]
+        self.store.commit(act.checkpoint, progress, files, final=act.final)
+        with self.coord.lock:
+            seconds = self._pause_ended()
+            self.coord.progress.event(
+                "checkpoint_committed",
+                self.coord.clock(),
+                checkpoint=act.checkpoint,
+                final=act.final,
+                pause_seconds=seconds,
+                bytes=sum(f["bytes"] for f in files),
+            )
+        self.store.prune()
+
+    def _pause_ended(self) -> float | None:
+        if self._pause_began is None:
+            return None
+        self.last_pause_seconds = round(time.monotonic() - self._pause_began, 3)
+        self._pause_began = None
+        return self.last_pause_seconds
+
+    def _restore(self, act: Act) -> None:
+        from ecrec.proto import ecrec_pb2 as pb
+
+        c = self.coord
+        answers = self._call_all(act.shards, "Restore", pb.RestoreRequest(checkpoint=act.checkpoint or 0))
+        bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
+        with c.lock:
+            now = c.clock()
+            if bad and all(e.code() in UNREACHABLE for e in bad.values()):
+                # A server died meanwhile: its failure, once detected, starts another rollback (or, for cpr,
+                # another restore once its replacement registers). Nothing to fail here.
+                log.warning("restore of checkpoint %s: servers %s unreachable", act.checkpoint, sorted(bad))
+                return
+            if bad:
+                why = "; ".join(f"server {s}: {e.details()}" for s, e in sorted(bad.items()))
+                c.failed_reason = (
+                    c.failed_reason or f"restoring checkpoint {act.checkpoint or 'initial'}: {why}"
+                )
+                self.feed(self.cycle.restored(act.shards, False, now))
+                return
+            rows = {s: int(r.rows) for s, r in answers.items()}
+            c.progress.event(
+                "checkpoint_restored", now, checkpoint=act.checkpoint or 0, shards=list(act.shards)
+            )
+            for s in act.shards:
+                if c.cluster.shards[s].state is ShardState.RECOVERING:
+                    c.complete_restore(s, rows[s], now)
+            self.feed(self.cycle.restored(act.shards, True, now))
+            if self.cycle.resume is not None and self.cycle.rolls_back:
+                c.rolled_back(self.cycle.resume)

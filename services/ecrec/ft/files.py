@@ -1,0 +1,180 @@
+"""Checkpoint files on stable storage: one safetensors file per shard, written by its server, and a manifest
+the coordinator writes last.
+
+    <root>/ckpt-00000007/shard-0002.safetensors    tensors of shard 2 (rows, versions, dense chunks)
+    <root>/ckpt-00000007/manifest.json             spec hash, each rank's step and samples, files + sha256
+
+A file is written under a temporary name, fsynced and renamed, so a crash never leaves half a file under
+the real name; a checkpoint counts only once its manifest exists (it is written last, the same way), so a
+crash mid-checkpoint leaves the previous one the latest. Reading checks the manifest's spec hash and each
+file's checksum and refuses a mismatch with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt or of another job."""
+
+
+def job_hash(spec_dict: dict) -> str:
+    """What a checkpoint must match to be loaded: the spec's model, data order and placement, i.e. the whole
+    spec but the parts a restart may change (run policy, images and resources, timeouts)."""
+    keep = {
+        k: v for k, v in spec_dict.items() if k in ("model", "data", "training", "servers", "faultTolerance")
+    }
+    servers = {k: v for k, v in keep.get("servers", {}).items() if k == "replicas"}
+    doc = json.dumps({**keep, "servers": servers}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def checkpoint_dir(root: str | Path, checkpoint: int) -> Path:
+    return Path(root) / f"ckpt-{checkpoint:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def write_shard(root: str | Path, checkpoint: int, shard: int, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write one shard's tensors atomically; returns its manifest entry (file, sha256, bytes)."""
+    d = checkpoint_dir(root, checkpoint)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"shard-{shard:04d}.safetensors"
+    tmp = d / f".{name}.{os.getpid()}.tmp"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    _publish(tmp, d / name)
+    return {
+        "shard": shard,
+        "file": f"{d.name}/{name}",
+        "sha256": _sha256(d / name),
+        "bytes": (d / name).stat().st_size,
+    }
+
+
+class ManifestStore:
+    """The checkpoints under one job's directory: commit, find the latest, read a shard, prune."""
+
+    def __init__(self, root: str | Path, job_hash: str, keep: int = 2):
+        self.root, self.hash, self.keep = Path(root), job_hash, keep
+
+    @classmethod
+    def for_job(cls, job) -> ManifestStore:
+        ft = job.spec.fault_tolerance
+        settings = getattr(ft, ft.strategy)
+        return cls(settings.path, job_hash(job.spec.to_dict()), keep=getattr(settings, "keep", 2))
+
+    def commit(self, checkpoint: int, progress: list[dict], files: list[dict], final: bool = False) -> Path:
+        """Write the manifest of a checkpoint whose shard files are all written (checked here)."""
+        d = checkpoint_dir(self.root, checkpoint)
+        for f in files:
+            if _sha256(self.root / f["file"]) != f["sha256"]:
+                raise CheckpointError(f"checkpoint {checkpoint}: {f['file']} does not match its checksum")
+        doc = {
+            "format": FORMAT,
+            "checkpoint": checkpoint,
+            "jobHash": self.hash,
+            "final": final,
+            "progress": progress,
+            "files": files,
+        }
+        tmp = d / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        _publish(tmp, d / MANIFEST)
+        return d / MANIFEST
+
+    def manifest(self, checkpoint: int) -> dict:
+        path = checkpoint_dir(self.root, checkpoint) / MANIFEST
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} has no manifest ({path}): it was never completed"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {checkpoint}: unreadable manifest {path}: {e}") from None
+        if doc.get("jobHash") != self.hash:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} ({path}) is of another job or spec: hash {doc.get('jobHash')}, "
+                f"this job's {self.hash}"
+            )
+        return doc
+
+    def committed(self) -> list[int]:
+        """Ids of the checkpoints with a manifest, oldest first."""
+        if not self.root.is_dir():
+            return []
+        ids = []
+        for d in self.root.glob("ckpt-*"):
+            if (d / MANIFEST).is_file():
+                try:
+                    ids.append(int(d.name.removeprefix("ckpt-")))
+                except ValueError:
+                    continue
+        return sorted(ids)
+
+    def read_shard(self, checkpoint: int, shard: int) -> dict[str, torch.Tensor]:
+        doc = self.manifest(checkpoint)
+        entry = next((f for f in doc["files"] if f["shard"] == shard), None)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {checkpoint} has no file for shard {shard}")
+        path = self.root / entry["file"]
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {checkpoint}: {path} is missing")
+        if _sha256(path) != entry["sha256"]:
+            raise CheckpointError(
+                f"checkpoint {checkpoint}: {path} is corrupt (sha256 does not match the manifest)"
+            )
+        return load_file(str(path))
+
+    def clear(self) -> None:
+        """Remove every checkpoint under the directory: a job that starts from nothing must never load one of
+        an earlier run of the same spec (checkpoint ids start at 1 again)."""
+        for d in self.root.glob("ckpt-*") if self.root.is_dir() else ():
+            shutil.rmtree(d, ignore_errors=True)
+
+    def prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints; delete older ones and any incomplete one older than the
+        newest complete (a crash mid-write left it)."""
+        ids = self.committed()
+        if not ids:
+            return
+        keep = set(ids[-self.keep :])
+        for d in self.root.glob("ckpt-*"):
+            try:
+                n = int(d.name.removeprefix("ckpt-"))
+            except ValueError:
+                continue
+            if n not in keep and n < max(keep):
+                shutil.rmtree(d, ignore_errors=True)
