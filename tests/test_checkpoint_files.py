@@ -78,3 +78,28 @@ def test_the_job_hash_ignores_what_a_restart_may_change():
     other = json.loads(json.dumps(spec))
     other["servers"]["replicas"] = 4
     assert job_hash(spec) != job_hash(other)
+
+
+def test_an_increment_holds_every_row_changed_since_its_base_even_past_an_abandoned_baseline():
+    from ecrec.store import ShardStore
+    from tests.conftest import make_ctx
+
+    ctx = make_ctx(servers__replicas=2, faultTolerance__strategy="checknrun")
+    store = ShardStore(ctx, 0)
+    ids = ctx.placement.global_id(0, torch.arange(8))
+    grads = torch.ones(2, ctx.dim)
+    store.checkpoint_tensors(1)  # baseline 1 (committed, say)
+    store.push(ids[[0, 1]], grads)
+    store.checkpoint_tensors(2)  # baseline 2: copied, then abandoned (never committed)
+    store.push(ids[[4, 5]], grads)
+    inc = store.checkpoint_tensors(3, base=1)
+    assert inc["index"].tolist() == [0, 1, 4, 5]  # rows 0, 1 were changed before the copy of baseline 2
+    assert torch.equal(inc["rows"], store.data[[0, 1, 4, 5]])
+    assert store.checkpoint_tensors(4, base=2)["index"].tolist() == [4, 5]
+    # Restoring baseline + increment gives the same rows back; the next increment starts from there.
+    base = store.checkpoint_tensors(0)
+    base["rows"] = base["rows"].clone()
+    base["rows"][[0, 1, 4, 5]] = 0.0
+    store.load_checkpoint(base, inc, base=1)
+    assert torch.equal(store.data[[0, 1, 4, 5]], inc["rows"])
+    assert store.checkpoint_tensors(5, base=1)["index"].tolist() == [0, 1, 4, 5]

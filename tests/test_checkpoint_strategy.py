@@ -59,6 +59,7 @@ def test_a_killed_server_rolls_every_shard_back_and_the_replay_ends_bit_identica
     assert rolled["steps"]["0"] % 40 == 0  # back to a checkpoint's step (0: the initial state)
     [rec] = report["recoveries"]
     assert rec["shard"] == 1 and rec["rows_recovered"] > 0 and rec["completed_at"] >= rec["detected_at"]
+    assert report["checkpointing"]["rollbacks"] == 1
     assert report["params_sha256"] == baseline
 
 
@@ -86,7 +87,37 @@ def test_cpr_restores_only_the_lost_shard_and_training_never_rolls_back(tmp_path
     assert restored["shards"] == [1]
     assert events(report, "rolled_back") == []
     assert report["samples"] == 200 * 64
+    # CPR's portion of lost samples: the samples since the checkpoint, over all samples and 3 servers.
+    assert 0 < report["checkpointing"]["portionOfLostSamples"] < 1 / 3
     # Shard 1 lost its updates since the checkpoint: the model differs from the run without failure, and
     # still trains (the benchmark reports the accuracy cost).
+    assert report["params_sha256"] != baseline
+    assert report["eval"]["auc"] > 0.6
+
+
+def test_checknrun_increments_restore_exactly_at_full_precision(tmp_path, baseline):
+    # Check-N-Run without quantization: baseline + increment restores bit-exact state, so the replay after
+    # a kill ends where the run without failure does. Training resumed right after each copy (decoupled).
+    ctx = ckpt_ctx("cnr32", "checknrun", faultTolerance__checknrun__quantizeBits=32)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 2.0)])
+    committed = events(report, "checkpoint_committed")
+    assert committed[0]["baseline"] and any(not c["baseline"] for c in committed), committed
+    assert len(events(report, "checkpoint_snapshot")) >= len(committed)
+    assert len(events(report, "rolled_back")) >= 1  # (more only if a loaded machine delayed heartbeats)
+    assert report["params_sha256"] == baseline
+    # Every increment kept names a baseline that is kept too (prune never orphans one).
+    root = tmp_path / "checkpoints"
+    for manifest in root.glob("ckpt-*/manifest.json"):
+        doc = json.loads(manifest.read_text())
+        if doc["base"] is not None:
+            assert (root / f"ckpt-{doc['base']:08d}" / "manifest.json").is_file()
+
+
+def test_checknrun_quantized_to_4_bits_recovers_and_still_trains(tmp_path, baseline):
+    ctx = ckpt_ctx("cnr4", "checknrun", faultTolerance__checknrun__quantizeBits=4)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 2.0)])
+    [restored] = events(report, "checkpoint_restored")
+    assert restored["checkpoint"] > 0
+    # The restore dequantized the embeddings: not the run without failure, yet a model that learned.
     assert report["params_sha256"] != baseline
     assert report["eval"]["auc"] > 0.6

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ecrec.core.checkpointing import Act, CheckpointCycle, Phase
+from ecrec.core.checkpointing import (
+    Act,
+    CheckpointCycle,
+    Phase,
+    cpr_interval,
+    expected_pls,
+    full_recovery_interval,
+)
 
 
 def cycle(strategy="checkpoint", workers=2, servers=3, **kw) -> CheckpointCycle:
@@ -155,3 +162,57 @@ def test_settings_are_checked():
         CheckpointCycle("ecrec", 1, 1, interval_seconds=1.0)
     with pytest.raises(ValueError):
         CheckpointCycle("checkpoint", 1, 1)
+
+
+def test_checknrun_resumes_training_once_the_state_is_copied_and_commits_after_the_write():
+    c = cycle("checknrun")
+    report(c, 0, 5)
+    report(c, 1, 5)
+    c.tick(10.0)
+    report(c, 0, 5, paused=1)
+    assert report(c, 1, 5, paused=1) == [Act("write", 1, (0, 1, 2))]  # the first one is a baseline
+    assert c.snapshotted(1, True, now=10.1) == [] and c.control()["pause"] is None  # training goes on
+    report(c, 0, 9)
+    assert c.tick(100.0) == [] and c.phase is Phase.TRAINING  # no second checkpoint while one is written
+    # The cut was taken at step 5: that is what the manifest records, not the step at the end of the write.
+    assert c.written(1, True, now=11.0) == [Act("commit", 1, progress=((0, 5, 50), (1, 5, 50)))]
+    c.tick(21.0)
+    report(c, 0, 20, paused=2)
+    [write] = report(c, 1, 20, paused=2)
+    assert not write.baseline  # an increment over baseline 1
+    c.snapshotted(2, True, now=21.0)
+    [commit] = c.written(2, True, now=22.0, fraction=0.3)
+    assert (commit.baseline, commit.base) == (False, 1) and c.last.base == 1 and c.sizes == [0.3]
+
+
+def test_checknrun_takes_a_new_baseline_when_the_increments_outgrow_it_and_a_failure_drops_a_write():
+    c = cycle("checknrun", workers=1)
+    kinds = []
+    for n, fraction in enumerate([1.0, 0.4, 0.5, 0.6, 0.7, 0.2], start=1):
+        c.tick(10.0 * n + 0.5)
+        [write] = report(c, 0, n, paused=n)
+        kinds.append(write.baseline)
+        c.snapshotted(n, True, now=10.0 * n)
+        c.written(n, True, now=10.0 * n, fraction=fraction)
+    # baseline; 1.4 > .8; 1.9 > 1.5; 2.5 > 2.4; 3.2 <= 3.5 -> baseline; then increments again
+    assert kinds == [True, False, False, False, False, True]
+    c.tick(100.0)
+    [write] = report(c, 0, 9, paused=7)
+    c.snapshotted(7, True, now=100.0)
+    c.failure(0)  # a server dies while the servers write checkpoint 7: it is never committed
+    assert c.written(7, True, now=101.0) == [] and c.last.checkpoint == 6
+
+
+def test_cpr_tracks_the_portion_of_lost_samples_and_picks_its_interval_from_the_target():
+    c = cycle("cpr", workers=1, servers=4, interval_seconds=10.0, total_samples=1000)
+    c.report(0, 10, 100, False, None, 0)
+    c.tick(10.0)
+    c.report(0, 10, 100, False, 1, 0)
+    c.written(1, True, now=10.0)
+    c.report(0, 30, 300, False, None, 0)
+    c.failure(2)  # 200 samples since the checkpoint, of 1000, on one of 4 servers
+    assert c.pls == pytest.approx(200 / (1000 * 4))
+    # Eq. 4 and its inverse; full recovery's optimum for comparison (Eq. 1).
+    t = cpr_interval(0.1, num_servers=4, mtbf=3600.0)
+    assert t == pytest.approx(2 * 0.1 * 4 * 3600.0) and expected_pls(t, 4, 3600.0) == pytest.approx(0.1)
+    assert full_recovery_interval(save_seconds=30.0, mtbf=3600.0) == pytest.approx((2 * 30 * 3600) ** 0.5)

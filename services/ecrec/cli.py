@@ -30,12 +30,6 @@ def cmd_local(args) -> int:
 
     console = Console(stderr=True)
     ctx = _job(args)
-    if ctx.spec.fault_tolerance.strategy not in ("none", "ecrec", "checkpoint", "cpr"):
-        console.print(
-            f"[red]error:[/] faultTolerance.strategy '{ctx.spec.fault_tolerance.strategy}' is not "
-            "implemented yet; use none, ecrec, checkpoint or cpr"
-        )
-        return 2
     try:
         kills = [_parse_kill(k, ctx.num_servers) for k in args.kill or ()]
     except ValueError as e:

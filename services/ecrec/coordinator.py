@@ -888,6 +888,7 @@ class Coordinator:
                 "throughputSeries": p.series(),
                 "events": list(p.events),
                 "recoveries": [r.to_dict(p.started_at) for r in self.recoveries],
+                **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
             }
 
     # -- lifecycle -------------------------------------------------------------------------------------

@@ -506,6 +506,8 @@ def run_local(
             for r in status["recoveries"]
         ]
         extra["replacements"] = supervisor.respawns
+    if "checkpointing" in status:
+        extra["checkpointing"] = status["checkpointing"]
     if fault:
         extra["fault"] = {"point": fault, "fired": fired.exists()}
     if rebuild_error:

@@ -309,6 +309,10 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self.view = view or ClusterView()
         self.store.epoch = epoch
         self.instance = instance or new_instance()
+        # checknrun: checkpoint files written in the background, one at a time, by checkpoint id
+        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._writes: dict[int, futures.Future] = {}
+        self._writes_lock = threading.Lock()
 
     @property
     def epoch(self) -> int:
@@ -610,37 +614,83 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("Checkpoint", check_epoch=False)
     def Checkpoint(self, request, context):
-        """Write this shard's part of checkpoint `checkpoint` under the job's checkpoint directory."""
-        from ecrec.ft.files import write_shard
+        """Write this shard's part of checkpoint `checkpoint` under the job's checkpoint directory. checknrun
+        decouples it: the first call copies the state (a baseline, or the rows changed since the last one)
+        and answers; the file is quantized and written on a thread; a call with await_written answers once
+        it is there."""
+        from ecrec.ft.files import encode_records, write_shard
 
         start = time.perf_counter()
         store = self._checkpoints()
         if request.checkpoint < 1:
             raise InvalidRequest("checkpoint: ids start at 1")
-        faults.fault_point("checkpoint:before_write")
-        entry = write_shard(store.root, request.checkpoint, self.store.shard, self.store.checkpoint_tensors())
-        faults.fault_point("checkpoint:after_write")
-        return pb.CheckpointResponse(
-            file=entry["file"],
-            sha256=entry["sha256"],
-            bytes=entry["bytes"],
-            rows=self.store.num_rows,
-            seconds=time.perf_counter() - start,
-        )
+        ctx = self.store.ctx
+        if ctx.spec.fault_tolerance.strategy != "checknrun":
+            faults.fault_point("checkpoint:before_write")
+            entry = write_shard(
+                store.root, request.checkpoint, self.store.shard, self.store.checkpoint_tensors()
+            )
+            faults.fault_point("checkpoint:after_write")
+            return _checkpoint_answer(entry, self.store.num_rows, start)
+        if request.await_written:
+            with self._writes_lock:
+                fut = self._writes.get(request.checkpoint)
+            if fut is None:
+                raise WrongState(f"checkpoint {request.checkpoint} was never begun on this server")
+            entry, rows = fut.result()
+            return _checkpoint_answer(entry, rows, start)
+        base = None if request.baseline else int(request.base)
+        t = self.store.checkpoint_tensors(request.checkpoint, base=base)
+        bits = ctx.spec.fault_tolerance.checknrun.quantize_bits
+        rows = int(t["rows"].shape[0])
+
+        def write() -> tuple[dict, int]:
+            encoded = {k: v for k, v in t.items() if k != "rows"} | encode_records(t["rows"], ctx.dim, bits)
+            faults.fault_point("checkpoint:before_write")
+            entry = write_shard(store.root, request.checkpoint, self.store.shard, encoded)
+            faults.fault_point("checkpoint:after_write")
+            return entry, rows
+
+        with self._writes_lock:
+            self._writes = {c: f for c, f in self._writes.items() if c >= request.checkpoint - 1}
+            self._writes[request.checkpoint] = self._writer.submit(write)
+        return pb.CheckpointResponse(rows=rows, seconds=time.perf_counter() - start)
 
     @rpc("Restore", check_epoch=False)
     def Restore(self, request, context):
-        """Load this shard's part of a committed checkpoint (0: the initial state), replacing all its state."""
-        from ecrec.ft.files import CheckpointError
+        """Load this shard's part of a committed checkpoint (0: the initial state), replacing all its state;
+        for a checknrun increment, its baseline and then the increment's rows."""
+        from ecrec.ft.files import CheckpointError, decode_records
 
         start = time.perf_counter()
         store = self._checkpoints()
+        ctx = self.store.ctx
         try:
-            tensors = store.read_shard(request.checkpoint, self.store.shard) if request.checkpoint else None
+            if not request.checkpoint:
+                rows = self.store.load_checkpoint(None)
+            elif ctx.spec.fault_tolerance.strategy == "checknrun":
+                base_id = store.manifest(request.checkpoint).get("base") or request.checkpoint
+                base, inc = store.read_chain(request.checkpoint, self.store.shard)
+                bits = ctx.spec.fault_tolerance.checknrun.quantize_bits
+                for t in (base, inc):
+                    if t is not None:
+                        t["rows"] = decode_records(t, ctx.dim, bits)
+                rows = self.store.load_checkpoint(base, inc, base=int(base_id))
+            else:
+                rows = self.store.load_checkpoint(store.read_shard(request.checkpoint, self.store.shard))
         except CheckpointError as e:
             raise WrongState(str(e)) from e
-        rows = self.store.load_checkpoint(tensors)
         return pb.RestoreResponse(rows=rows, seconds=time.perf_counter() - start)
+
+
+def _checkpoint_answer(entry: dict, rows: int, start: float):
+    return pb.CheckpointResponse(
+        file=entry["file"],
+        sha256=entry["sha256"],
+        bytes=entry["bytes"],
+        rows=rows,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def start_grpc(

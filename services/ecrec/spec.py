@@ -448,15 +448,35 @@ class CheckpointSpec(_Checkpoints):
 
 
 class ChecknrunSpec(_Checkpoints):
-    """Check-N-Run: incremental, quantized checkpoints (not implemented yet)."""
+    """Check-N-Run: decoupled, incremental, quantized checkpoints. Training resumes once the servers have
+    copied their state; an increment holds the rows changed since the last full baseline, and a new baseline
+    is taken when the increments outgrow it (the paper's intermittent policy); embedding vectors are stored
+    at quantizeBits. Recovery rolls back like strategy checkpoint, from baseline + increment."""
 
-    quantize_bits: Literal[4, 8, 16, 32] = Field(default=8, description="Bits per stored value")
-    incremental: bool = Field(default=True, description="Store only rows changed since the last checkpoint")
+    quantize_bits: Literal[4, 8, 16, 32] = Field(
+        default=8,
+        description="Bits per embedding value in a checkpoint: 8 (per-row asymmetric), 4 (the paper's adaptive "
+        "asymmetric search), 16 (float16) or 32 (exact); optimizer state is stored at full precision",
+    )
+    incremental: bool = Field(
+        default=True, description="Increments between baselines; false: every checkpoint is a full baseline"
+    )
 
 
 class CprSpec(_Checkpoints):
     """CPR: partial recovery. Checkpoints as strategy checkpoint, but after a server failure only its
     replacement loads its shard of the last one; nobody rolls back."""
+
+    target_pls: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Target portion of lost samples (CPR's PLS, e.g. 0.1). With mtbfSeconds, the checkpoint "
+        "interval is CPR's 2 * PLS * servers * MTBF instead of intervalSeconds",
+    )
+    mtbf_seconds: float | None = Field(
+        default=None, gt=0, description="Mean time between server failures (CPR's T_fail), for targetPls"
+    )
 
     hot_row_fraction: float = Field(
         default=0.1,

@@ -39,6 +39,7 @@ REBUILD_TXN = "recovery:"
 # would wait answers Busy at once, so that waiting requests, however many arrive, hold a bounded share of the
 # server's threads and the rest keep answering.
 MAX_WAITING = 16
+MAX_BASELINE_MASKS = 4  # checknrun: baselines whose updated rows a server tracks (uncommitted ones included)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,10 @@ class ShardStore:
         )
         self.tap = Tap.from_env(shard, self.rows)  # None unless `ecrec local --rebuild-error` asked for it
         self.row_ready = torch.full((self.num_rows,), not replacement, dtype=torch.bool)
+        # checknrun: by baseline checkpoint id, the rows updated since its copy (what an increment over it
+        # holds). A baseline copied here may never be committed, so the previous one's mask is kept until an
+        # increment names a newer base.
+        self.modified_since: dict[int, torch.Tensor] = {}
         # -- parity records -----------------------------------------------------------------------------
         n_par = p.parity_rows_on(shard) if p.r else 0
         parity = torch.zeros(n_par, ctx.record_width)
@@ -596,11 +601,29 @@ class ShardStore:
 
     # ---------------------------------------------------------------------------------------------------
     # checkpoints (strategies checkpoint, checknrun, cpr: docs/protocol.md, "Checkpoint strategies")
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, checkpoint: int = 0, base: int | None = None) -> dict[str, torch.Tensor]:
         """A copy of this shard's state: its row records and versions, its dense chunks. Workers are paused
-        for a checkpoint, so nothing is in flight and the copy is a consistent cut."""
+        for a checkpoint, so nothing is in flight and the copy is a consistent cut. With `base` (checknrun's
+        increments): only the rows updated since baseline `base` was copied, and their local `index`; a
+        baseline `checkpoint` starts tracking the rows updated after it."""
         with self.lock:
-            out = {"rows": self.rows.records.clone(), "versions": self.rows.versions.clone()}
+            if base is None:
+                out = {"rows": self.rows.records.clone(), "versions": self.rows.versions.clone()}
+                if checkpoint:
+                    self.modified_since[checkpoint] = torch.zeros(self.num_rows, dtype=torch.bool)
+                    for old in sorted(self.modified_since)[:-MAX_BASELINE_MASKS]:
+                        del self.modified_since[old]  # bounded: a base that old would be a lost cause
+            else:
+                if base not in self.modified_since:
+                    raise InvalidRequest(f"base: baseline checkpoint {base} was not copied on this server")
+                for old in [c for c in self.modified_since if c < base]:
+                    del self.modified_since[old]
+                index = self.modified_since[base].nonzero().squeeze(1)
+                out = {
+                    "index": index,
+                    "rows": self.rows.records[index],
+                    "versions": self.rows.versions[index],
+                }
             out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
         return out
 
@@ -619,10 +642,25 @@ class ShardStore:
             out[f"dense.{c}"] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
         return out
 
-    def load_checkpoint(self, tensors: dict[str, torch.Tensor] | None) -> int:
-        """Replace this shard's whole state with a checkpoint's (None: the initial state). Returns the data
-        rows loaded. A checkpoint of another shape is refused and changes nothing."""
-        t = self._initial_tensors() if tensors is None else tensors
+    def load_checkpoint(
+        self,
+        tensors: dict[str, torch.Tensor] | None,
+        increment: dict[str, torch.Tensor] | None = None,
+        base: int | None = None,
+    ) -> int:
+        """Replace this shard's whole state with a checkpoint's (None: the initial state), and, for checknrun,
+        the rows of an `increment` over it. Returns the data rows loaded. A checkpoint of another shape is
+        refused and changes nothing."""
+        t = self._initial_tensors() if tensors is None else dict(tensors)
+        modified = torch.zeros(self.num_rows, dtype=torch.bool)
+        if increment is not None:
+            index = increment["index"]
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+                raise InvalidRequest(f"checkpoint of shard {self.shard}: increment rows outside the table")
+            t["rows"], t["versions"] = t["rows"].clone(), t["versions"].clone()
+            t["rows"][index], t["versions"][index] = increment["rows"], increment["versions"]
+            t |= {k: v for k, v in increment.items() if k.startswith("dense.")}
+            modified[index] = True
         expect = {"rows": (self.num_rows, self.ctx.record_width), "versions": (self.num_rows,)}
         expect |= {f"dense.{c}": tuple(recs.shape) for c, recs in self.dense.items()}
         for key, shape in expect.items():
@@ -637,6 +675,8 @@ class ShardStore:
                 self.dense_ready[c] = True
                 self.dense_log[c].clear()
             self.row_ready.fill_(True)
+            # The next increment over `base` holds what differs from that baseline.
+            self.modified_since = {base: modified} if base is not None else {}
             self.replacement = False
             self.outcomes.clear()
             self.cond.notify_all()
@@ -654,6 +694,8 @@ class ShardStore:
             part = self.rows.stage(txn, local, grads, self.clock())
             self.rows.commit(txn)  # applied at once; rows stay locked until the parity has the delta
             self.rows.locks.lock(txn, local)
+            for mask in self.modified_since.values():
+                mask[local] = True
         try:
             self._send_deltas(part.batches, immediate=True)
         finally:

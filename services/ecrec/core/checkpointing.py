@@ -19,8 +19,10 @@ training restores the final state with nothing to redo.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+
+from ecrec.core.quantize import intermittent_full
 
 ROLLBACK_STRATEGIES = ("checkpoint", "checknrun")
 CHECKPOINT_STRATEGIES = (*ROLLBACK_STRATEGIES, "cpr")
@@ -50,6 +52,8 @@ class Act:
     shards: tuple[int, ...] = ()
     progress: tuple[tuple[int, int, int], ...] = ()  # (rank, step, samples)
     final: bool = False
+    baseline: bool = True  # checknrun: a full baseline, else an increment over `base`
+    base: int | None = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Committed:
     checkpoint: int
     progress: Progress
     final: bool = False
+    base: int | None = None  # checknrun: the baseline an increment applies to
 
 
 @dataclass
@@ -79,13 +84,20 @@ class CheckpointCycle:
     num_servers: int
     interval_seconds: float | None = None
     interval_steps: int | None = None
+    incremental: bool = True  # checknrun: increments between baselines
     phase: Phase = Phase.TRAINING
     next_id: int = 1
     pending: int | None = None  # the checkpoint being paused for or written
     pending_final: bool = False
-    pause_at: int | None = (
-        None  # intervalSteps: workers pause for `pending` once they completed this many steps
-    )
+    # intervalSteps: workers pause for `pending` once they have completed this many steps
+    pause_at: int | None = None
+    pending_baseline: bool = True
+    cut: Progress | None = None  # each rank's (step, samples) when the pending checkpoint's cut was taken
+    # checknrun: the checkpoint being written in the background while training goes on (snapshotted), the
+    # last baseline, and the sizes of the increments since it (fractions of the rows: the intermittent policy)
+    persisting: int | None = None
+    last_baseline: int | None = None
+    sizes: list[float] = field(default_factory=list)
     last: Committed | None = None
     rollback: int = 0  # generation: +1 per failure a rollback strategy answers
     resume: Progress | None = None  # where each rank resumes after the last rollback
@@ -95,6 +107,10 @@ class CheckpointCycle:
     workers: dict[int, Worker] = field(default_factory=dict)
     rollbacks: int = 0
     steps_redone: int = 0
+    # CPR's portion of lost samples: each failure adds the samples since the last checkpoint over
+    # total samples x servers (§4.1); total_samples 0: not tracked
+    total_samples: int = 0
+    pls: float = 0.0
 
     def __post_init__(self) -> None:
         if self.strategy not in CHECKPOINT_STRATEGIES:
@@ -105,6 +121,11 @@ class CheckpointCycle:
     @property
     def rolls_back(self) -> bool:
         return self.strategy in ROLLBACK_STRATEGIES
+
+    @property
+    def decoupled(self) -> bool:
+        """Check-N-Run: training resumes once the servers have copied their state; the write goes on."""
+        return self.strategy == "checknrun"
 
     # ------------------------------------------------------------------------------------------- inputs --
     def started(self, now: float) -> list[Act]:
@@ -129,7 +150,8 @@ class CheckpointCycle:
 
     def tick(self, now: float) -> list[Act]:
         armed = self.phase is Phase.PAUSING and self.pause_at is not None and not self.pending_final
-        if (self.phase is Phase.TRAINING or armed) and self.last_end is not None and not self.failed:
+        idle = self.persisting is None  # Check-N-Run: two checkpoints never overlap
+        if (self.phase is Phase.TRAINING or armed) and self.last_end is not None and not self.failed and idle:
             final_due = self.all_done() and not (self.last and self.last.final)
             if not self.restoring and (final_due or (not armed and self._due(now))):
                 self._begin_pause(final=self.all_done())
@@ -141,7 +163,12 @@ class CheckpointCycle:
             return []
         self.failed.add(shard)
         self.restoring.discard(shard)
+        if self.total_samples:
+            done = sum(w.samples for w in self.workers.values())
+            saved = sum(n for _s, n in self.last.progress.values()) if self.last else 0
+            self.pls += max(0, done - saved) / (self.total_samples * self.num_servers)
         self.pending, self.pending_final = None, False  # a checkpoint missing a shard is never committed
+        self.persisting = None
         if self.rolls_back:
             self.rollback += 1
             self.rollbacks += 1
@@ -162,17 +189,36 @@ class CheckpointCycle:
         ckpt = self.last.checkpoint if self.last else None
         return [Act("restore", ckpt, (shard,))]
 
-    def written(self, checkpoint: int, ok: bool, now: float) -> list[Act]:
-        """Every server wrote its shard of `checkpoint` (ok), or one could not."""
+    def snapshotted(self, checkpoint: int, ok: bool, now: float) -> list[Act]:
+        """checknrun: every server copied its part of `checkpoint`; training resumes while they write it."""
         if self.phase is not Phase.WRITING or checkpoint != self.pending:
+            return []
+        if not ok:
+            return self.written(checkpoint, False, now)
+        self.persisting, self.pending = checkpoint, None
+        self.phase = Phase.TRAINING
+        return self._advance()
+
+    def written(self, checkpoint: int, ok: bool, now: float, fraction: float | None = None) -> list[Act]:
+        """Every server wrote its shard of `checkpoint` (ok), or one could not. `fraction`: of all rows, those
+        in it (checknrun's increments)."""
+        synchronous = self.phase is Phase.WRITING and checkpoint == self.pending
+        if not synchronous and checkpoint != self.persisting:
             return []  # abandoned meanwhile (a failure)
         acts: list[Act] = []
         if ok:
-            progress = {r: (w.step, w.samples) for r, w in self.workers.items()}
-            self.last = Committed(checkpoint, progress, final=self.pending_final)
-            acts.append(Act("commit", checkpoint, progress=_rows(progress), final=self.pending_final))
-        self.pending, self.pending_final = None, False
-        self.phase = Phase.TRAINING
+            progress = dict(self.cut or {})
+            base = None if self.pending_baseline else self.last_baseline
+            self.last = Committed(checkpoint, progress, final=self.pending_final, base=base)
+            if self.pending_baseline:
+                self.last_baseline, self.sizes = checkpoint, []
+            else:
+                self.sizes.append(fraction if fraction is not None else 1.0)
+            commit = Act("commit", checkpoint, progress=_rows(progress), final=self.pending_final)
+            acts.append(replace(commit, baseline=self.pending_baseline, base=base))
+        self.pending, self.pending_final, self.persisting = None, False, None
+        if synchronous:
+            self.phase = Phase.TRAINING
         self.last_end = now
         self._arm()
         return acts + self._advance()
@@ -259,7 +305,16 @@ class CheckpointCycle:
             if ready:
                 self.pending_final = self.pending_final or self.all_done()  # nothing after it: the last one
                 self.phase = Phase.WRITING
-                return [Act("write", self.pending, tuple(range(self.num_servers)), final=self.pending_final)]
+                self.cut = {r: (w.step, w.samples) for r, w in self.workers.items()}
+                self.pending_baseline = (
+                    self.strategy != "checknrun"
+                    or not self.incremental
+                    or self.last_baseline is None
+                    or intermittent_full(self.sizes)
+                )
+                write = Act("write", self.pending, tuple(range(self.num_servers)), final=self.pending_final)
+                base = None if self.pending_baseline else self.last_baseline
+                return [replace(write, baseline=self.pending_baseline, base=base)]
         elif self.phase is Phase.STOPPING:
             stopped = len(self.workers) == self.num_workers and all(
                 w.lost or w.stopped >= self.rollback for w in self.workers.values()
@@ -273,3 +328,19 @@ class CheckpointCycle:
 
 def _rows(progress: Progress) -> tuple[tuple[int, int, int], ...]:
     return tuple((r, s, n) for r, (s, n) in sorted(progress.items()))
+
+
+# -- CPR's interval selection (cpr-partial-recovery.txt §2, §4.1) ---------------------------------------------
+def cpr_interval(target_pls: float, num_servers: int, mtbf: float) -> float:
+    """The checkpoint interval whose expected PLS is the target: E[PLS] = 0.5 T_save / (T_fail N_emb) (Eq. 4),
+    so T_save,part = 2 PLS N_emb T_fail."""
+    return 2.0 * target_pls * num_servers * mtbf
+
+
+def full_recovery_interval(save_seconds: float, mtbf: float) -> float:
+    """The interval that minimizes full recovery's overhead (Eq. 1): T_save,full = sqrt(2 O_save T_fail)."""
+    return (2.0 * save_seconds * mtbf) ** 0.5
+
+
+def expected_pls(interval: float, num_servers: int, mtbf: float) -> float:
+    return 0.5 * interval / (mtbf * num_servers)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ecrec import auth
-from ecrec.core.checkpointing import Act, CheckpointCycle
+from ecrec.core.checkpointing import Act, CheckpointCycle, cpr_interval
 from ecrec.core.cluster import ShardState
 
 if TYPE_CHECKING:
@@ -33,14 +33,21 @@ class CheckpointDriver:
         ft = spec.fault_tolerance
         settings = getattr(ft, ft.strategy)
         steps = getattr(settings, "interval_steps", None)
+        seconds = settings.interval_seconds
+        if ft.strategy == "cpr" and settings.target_pls and settings.mtbf_seconds:
+            seconds = cpr_interval(settings.target_pls, spec.servers.replicas, settings.mtbf_seconds)
+        t = spec.training
         self.cycle = CheckpointCycle(
             ft.strategy,
             spec.workers.replicas,
             spec.servers.replicas,
-            interval_seconds=None if steps else settings.interval_seconds,
+            interval_seconds=None if steps else seconds,
             interval_steps=steps,
+            total_samples=t.steps * t.batch_size * spec.workers.replicas,
+            incremental=getattr(settings, "incremental", True),
         )
         self.store = ManifestStore.for_job(coord.job)
+        self.num_rows = sum(spec.model_config_resolved().table_sizes)
         self.store.clear()  # generation 1 (failover is refused): this run starts from nothing
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._written: dict[int, list[dict]] = {}
@@ -53,6 +60,21 @@ class CheckpointDriver:
             if act.kind == "write" and self._pause_began is None:
                 self._pause_began = time.monotonic()
             self._pool.submit(self._run, act)
+
+    def stats(self) -> dict:
+        """For /v1/status (and so `ecrec local`'s report): what the strategy has cost and lost so far."""
+        c = self.cycle
+        return {
+            "strategy": c.strategy,
+            "intervalSeconds": c.interval_seconds,
+            "intervalSteps": c.interval_steps,
+            "phase": c.phase.value,
+            "lastCheckpoint": c.last.checkpoint if c.last else None,
+            "lastPauseSeconds": self.last_pause_seconds,
+            "rollbacks": c.rollbacks,
+            "stepsRedone": c.steps_redone,
+            "portionOfLostSamples": round(c.pls, 6),
+        }
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -94,43 +116,60 @@ class CheckpointDriver:
         from ecrec.proto import ecrec_pb2 as pb
 
         t0 = time.monotonic()
-        answers = self._call_all(
-            act.shards, "Checkpoint", pb.CheckpointRequest(checkpoint=act.checkpoint, final=act.final)
+        req = pb.CheckpointRequest(
+            checkpoint=act.checkpoint, final=act.final, baseline=act.baseline, base=act.base or 0
         )
-        bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
-        for s, e in bad.items():
-            log.warning(
-                "checkpoint %d: server %d did not write its shard: %s", act.checkpoint, s, e.details()
-            )
+        answers = self._call_all(act.shards, "Checkpoint", req)
+        if self.cycle.decoupled:  # the servers have copied their state: training resumes, the write goes on
+            ok = self._ok(act, answers, "copy")
+            with self.coord.lock:
+                self._event("checkpoint_snapshot", act, ok, t0)
+                self.feed(self.cycle.snapshotted(act.checkpoint, ok, self.coord.clock()))
+                self._pause_ended()
+            if not ok:
+                return
+            req = pb.CheckpointRequest(checkpoint=act.checkpoint, await_written=True)
+            answers = self._call_all(act.shards, "Checkpoint", req)
+        ok = self._ok(act, answers, "write")
         self._written[act.checkpoint] = [
             {"shard": s, "file": r.file, "sha256": r.sha256, "bytes": r.bytes, "rows": r.rows}
             for s, r in sorted(answers.items())
             if not isinstance(r, grpc.RpcError)
         ]
+        rows = sum(f["rows"] for f in self._written[act.checkpoint])
         with self.coord.lock:
-            self.coord.progress.event(
-                "checkpoint_written",
-                self.coord.clock(),
-                checkpoint=act.checkpoint,
-                ok=not bad,
-                seconds=round(time.monotonic() - t0, 3),
-            )
-            self.feed(self.cycle.written(act.checkpoint, not bad, self.coord.clock()))
-            if bad:
+            self._event("checkpoint_written", act, ok, t0)
+            fraction = rows / max(1, self.num_rows)
+            self.feed(self.cycle.written(act.checkpoint, ok, self.coord.clock(), fraction=fraction))
+            if not ok:
                 self._pause_ended()
+
+    @staticmethod
+    def _ok(act: Act, answers: dict, what: str) -> bool:
+        bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
+        for s, e in bad.items():
+            log.warning(
+                "checkpoint %d: server %d did not %s its shard: %s", act.checkpoint, s, what, e.details()
+            )
+        return not bad
+
+    def _event(self, kind: str, act: Act, ok: bool, t0: float) -> None:
+        seconds = round(time.monotonic() - t0, 3)
+        self.coord.progress.event(kind, self.coord.clock(), checkpoint=act.checkpoint, ok=ok, seconds=seconds)
 
     def _commit(self, act: Act) -> None:
         files = self._written.pop(act.checkpoint)
         progress = [{"rank": r, "step": s, "samples": n} for r, s, n in act.progress]
-        self.store.commit(act.checkpoint, progress, files, final=act.final)
+        self.store.commit(act.checkpoint, progress, files, final=act.final, base=act.base)
         with self.coord.lock:
-            seconds = self._pause_ended()
+            seconds = self._pause_ended() or self.last_pause_seconds  # checknrun: it ended with the copy
             self.coord.progress.event(
                 "checkpoint_committed",
                 self.coord.clock(),
                 checkpoint=act.checkpoint,
                 final=act.final,
                 pause_seconds=seconds,
+                baseline=act.baseline,
                 bytes=sum(f["bytes"] for f in files),
             )
         self.store.prune()

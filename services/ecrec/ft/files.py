@@ -95,8 +95,16 @@ class ManifestStore:
         settings = getattr(ft, ft.strategy)
         return cls(settings.path, job_hash(job.spec.to_dict()), keep=getattr(settings, "keep", 2))
 
-    def commit(self, checkpoint: int, progress: list[dict], files: list[dict], final: bool = False) -> Path:
-        """Write the manifest of a checkpoint whose shard files are all written (checked here)."""
+    def commit(
+        self,
+        checkpoint: int,
+        progress: list[dict],
+        files: list[dict],
+        final: bool = False,
+        base: int | None = None,
+    ) -> Path:
+        """Write the manifest of a checkpoint whose shard files are all written (checked here). `base`: the
+        baseline checkpoint an increment (checknrun) applies to."""
         d = checkpoint_dir(self.root, checkpoint)
         for f in files:
             if _sha256(self.root / f["file"]) != f["sha256"]:
@@ -106,6 +114,7 @@ class ManifestStore:
             "checkpoint": checkpoint,
             "jobHash": self.hash,
             "final": final,
+            "base": base,
             "progress": progress,
             "files": files,
         }
@@ -144,6 +153,14 @@ class ManifestStore:
                     continue
         return sorted(ids)
 
+    def read_chain(self, checkpoint: int, shard: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """A shard's tensors of `checkpoint`: (its baseline's, the increment's) for an increment, (its own,
+        None) for a baseline."""
+        base = self.manifest(checkpoint).get("base")
+        if base is None:
+            return self.read_shard(checkpoint, shard), None
+        return self.read_shard(int(base), shard), self.read_shard(checkpoint, shard)
+
     def read_shard(self, checkpoint: int, shard: int) -> dict[str, torch.Tensor]:
         doc = self.manifest(checkpoint)
         entry = next((f for f in doc["files"] if f["shard"] == shard), None)
@@ -171,10 +188,42 @@ class ManifestStore:
         if not ids:
             return
         keep = set(ids[-self.keep :])
+        keep |= {int(b) for c in keep if (b := self.manifest(c).get("base")) is not None}  # still needed
         for d in self.root.glob("ckpt-*"):
             try:
                 n = int(d.name.removeprefix("ckpt-"))
             except ValueError:
                 continue
-            if n not in keep and n < max(keep):
+            if n not in keep and n < max(ids):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+# -- Check-N-Run's quantized records -------------------------------------------------------------------------
+def encode_records(records: torch.Tensor, dim: int, bits: int) -> dict[str, torch.Tensor]:
+    """Row records for a checknrun file: the embedding columns at `bits` (32: as they are, 16: float16, 8 and
+    4: Check-N-Run's per-row quantization), the optimizer-state columns at full precision (the paper
+    quantizes the embedding vectors; the state steers every later step size)."""
+    from ecrec.core.quantize import quantize
+
+    emb, state = records[:, :dim], records[:, dim:]
+    out = {"state": state.contiguous()}
+    if bits == 32:
+        out["emb"] = emb.contiguous()
+    elif bits == 16:
+        out["emb.f16"] = emb.to(torch.float16)
+    else:
+        qz = quantize(emb, bits)
+        out |= {"emb.codes": qz.codes, "emb.lo": qz.lo, "emb.scale": qz.scale}
+    return out
+
+
+def decode_records(t: dict[str, torch.Tensor], dim: int, bits: int) -> torch.Tensor:
+    from ecrec.core.quantize import Quantized, dequantize
+
+    if "emb" in t:
+        emb = t["emb"]
+    elif "emb.f16" in t:
+        emb = t["emb.f16"].float()
+    else:
+        emb = dequantize(Quantized(t["emb.codes"], t["emb.lo"], t["emb.scale"], bits, dim))
+    return torch.cat([emb, t["state"]], dim=1)
