@@ -103,3 +103,17 @@ def test_an_increment_holds_every_row_changed_since_its_base_even_past_an_abando
     store.load_checkpoint(base, inc, base=1)
     assert torch.equal(store.data[[0, 1, 4, 5]], inc["rows"])
     assert store.checkpoint_tensors(5, base=1)["index"].tolist() == [0, 1, 4, 5]
+
+
+def test_prune_keeps_every_save_over_a_kept_full_checkpoint_and_the_hot_chain_reads_in_order(tmp_path):
+    store = ManifestStore(tmp_path, "h1", keep=1)
+    commit(store, 1)  # full
+    for c in (2, 3):  # hot-row saves over 1
+        files = [write_shard(tmp_path, c, s, shard_tensors(c)) for s in (0, 1)]
+        store.commit(c, [], files, base=1, hot=True)
+    store.prune()
+    assert store.committed() == [1, 2, 3]  # all of 1's chain: a restore of 3 reads 1, 2 and 3
+    assert store.hot_chain(3) == [1, 2, 3] and store.hot_chain(2) == [1, 2] and store.hot_chain(1) == [1]
+    commit(store, 4)  # a newer full checkpoint: 1's chain can go
+    store.prune()
+    assert store.committed() == [4]

@@ -121,3 +121,27 @@ def test_checknrun_quantized_to_4_bits_recovers_and_still_trains(tmp_path, basel
     # The restore dequantized the embeddings: not the run without failure, yet a model that learned.
     assert report["params_sha256"] != baseline
     assert report["eval"]["auc"] > 0.6
+
+
+@pytest.mark.parametrize("hot", ["mfu", "ssu"])
+def test_cpr_saves_hot_rows_between_full_checkpoints_and_restores_them_after_a_kill(tmp_path, hot):
+    ctx = make_ctx(
+        f"cpr-{hot}",
+        **{**DET, "training__steps": 1000},  # long enough for saves before and after the kill, even when busy
+        faultTolerance__strategy="cpr",
+        faultTolerance__cpr__intervalSeconds=1.0,
+        faultTolerance__cpr__hotRows=hot,
+        faultTolerance__cpr__hotRowFraction=0.25,  # hot-row saves every 0.25 s, of at most a quarter of the rows
+    )
+    report = run_local(ctx, tmp_path, progress=False, kills=[(1, 2.5)])
+    committed = events(report, "checkpoint_committed")
+    hot_saves = [c for c in committed if c.get("hot")]
+    assert hot_saves and all("pause_seconds" not in c for c in hot_saves), committed  # training never paused
+    assert [c["final"] for c in committed].count(True) == 1
+    [restored] = events(report, "checkpoint_restored")
+    detected = events(report, "failure_detected")[0]
+    assert restored["shards"] == [1]
+    # The restore point is the newest save before the failure: the full checkpoint, then its hot-row saves.
+    before = [c["checkpoint"] for c in committed if c["t"] <= detected["t"]]
+    assert before and restored["checkpoint"] == before[-1], (restored, committed)
+    assert report["eval"]["auc"] > 0.6 and report["samples"] == 1000 * 64

@@ -129,6 +129,7 @@ def test_a_final_checkpoint_ends_training_and_a_later_failure_redoes_nothing():
     assert c.phase is Phase.WRITING and c.pending_final
     assert c.written(1, True, now=2.0) == [Act("commit", 1, progress=((0, 50, 500),), final=True)]
     assert c.finished and c.control()["finished"]
+    assert c.tick(1000.0) == [] and c.phase is Phase.TRAINING  # no checkpoint after the final one
     c.failure(1)
     assert not c.finished
     report(c, 0, 50, done=True, stopped=1)
@@ -216,3 +217,42 @@ def test_cpr_tracks_the_portion_of_lost_samples_and_picks_its_interval_from_the_
     t = cpr_interval(0.1, num_servers=4, mtbf=3600.0)
     assert t == pytest.approx(2 * 0.1 * 4 * 3600.0) and expected_pls(t, 4, 3600.0) == pytest.approx(0.1)
     assert full_recovery_interval(save_seconds=30.0, mtbf=3600.0) == pytest.approx((2 * 30 * 3600) ** 0.5)
+
+
+def test_a_manifest_that_could_not_be_written_leaves_the_checkpoint_before_it_the_latest():
+    c = cycle(workers=1)
+    for n in (1, 2):
+        c.tick(10.0 * n + 1)
+        report(c, 0, 10 * n, paused=n)
+        c.written(n, True, now=10.0 * n + 1)
+    assert c.last.checkpoint == 2
+    c.commit_failed(2)
+    assert c.last.checkpoint == 1 and c.last.progress == {0: (10, 100)}
+    c.failure(0)
+    report(c, 0, 25, stopped=1)
+    assert c.registered(0) == [Act("restore", 1, (0, 1, 2))]
+
+
+def test_cpr_saves_hot_rows_between_full_checkpoints_without_pausing_and_restores_from_the_latest():
+    c = cycle("cpr", workers=1, interval_seconds=10.0, hot_interval=2.5)
+    report(c, 0, 5)
+    assert c.tick(5.0) == []  # no hot-row save before a full checkpoint exists
+    c.tick(10.0)
+    report(c, 0, 6, paused=1)
+    c.written(1, True, now=10.0)
+    assert c.tick(12.0) == []
+    [write] = c.tick(12.5)
+    assert write == Act("write", 2, (0, 1, 2), hot=True, base=1) and c.control()["pause"] is None
+    assert c.tick(100.0) == []  # nothing else while it is written
+    [commit] = c.written(2, True, now=13.0)
+    assert commit.hot and commit.base == 1 and c.last.checkpoint == 1 and c.last_hot == 2
+    [write] = c.tick(15.5)
+    c.failure(0)  # a failure while hot save 3 is written: it never counts
+    assert c.written(3, True, now=16.0) == []
+    assert c.registered(0) == [Act("restore", 2, (0,))]  # full checkpoint 1, then hot save 2
+    c.restored((0,), True, now=17.0)
+    # The next full checkpoint starts the hot saves over.
+    c.tick(30.0)
+    report(c, 0, 40, paused=c.pending)
+    c.written(c.pending, True, now=30.0)
+    assert c.last_hot is None and c.tick(31.0) == []

@@ -210,3 +210,21 @@ def test_every_declared_metric_follows_the_naming_conventions():
         assert name.endswith("_total") == (kind == "counter"), name
         if kind == "histogram":
             assert name.endswith("_seconds"), name
+
+
+def test_checkpoint_strategies_export_what_they_cost_and_lost():
+    ctx = make_ctx(servers__replicas=2, faultTolerance__strategy="cpr")
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: True)
+    api = TestClient(create_app(coord))
+    fams = check_conventions(api.get("/metrics").text, ctx.name, "coordinator")
+    assert value(fams, "ecrec_checkpoints_committed_total", kind="full") == 0
+    # What the driver counts as it commits, restores and loses (its own tests drive the real thing).
+    d = coord.ckpt
+    d.committed["full"], d.committed["hot"], d.bytes_written, d.paused_seconds = 2, 5, 4096, 1.25
+    d.cycle.pls, d.cycle.rollbacks, d.cycle.steps_redone = 0.03, 0, 0
+    fams = check_conventions(api.get("/metrics").text, ctx.name, "coordinator")
+    assert value(fams, "ecrec_checkpoints_committed_total", kind="hot") == 5
+    assert value(fams, "ecrec_checkpoint_written_bytes_total") == 4096
+    assert value(fams, "ecrec_checkpoint_paused_seconds_total") == 1.25
+    assert value(fams, "ecrec_portion_of_lost_samples") == 0.03
+    assert value(fams, "ecrec_rollbacks_total") == 0

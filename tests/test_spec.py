@@ -94,7 +94,7 @@ def test_defaults_fill_every_section() -> None:
     assert (ft.checkpoint.interval_seconds, ft.checkpoint.interval_steps) == (30.0, None)
     assert (ft.checkpoint.path, ft.checkpoint.keep) == ("checkpoints", 2)
     assert (ft.checknrun.quantize_bits, ft.checknrun.incremental) == (8, True)
-    assert ft.cpr.hot_row_fraction == 0.1
+    assert (ft.cpr.hot_rows, ft.cpr.hot_row_fraction, ft.cpr.ssu_period) == ("none", 0.125, 2)
 
 
 def test_explicit_model_without_preset_uses_default_dims() -> None:

@@ -827,6 +827,7 @@ class Coordinator:
                 "phase": self.phase(),
                 "shards": [(s.shard, s.state.value, s.incarnation) for s in self.cluster.shards],
                 "recoveries": recoveries,
+                **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
             }
 
     def record_parity_check(self, req: ParityCheck) -> dict:
@@ -908,6 +909,8 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.ckpt is not None:
+            self.ckpt.close()
 
 
 def probe_server(address: str, instance: str = "", timeout: float = 1.0, token: str | None = None) -> bool:

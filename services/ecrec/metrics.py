@@ -289,6 +289,37 @@ class JobCollector:
             rows.add_metric(labels(str(shard)), rec["rows"])
         yield from (rec_phase, groups, done, rows)
 
+        # The checkpoint strategies (checkpoint, checknrun, cpr): what they cost and lost so far.
+        ckpts = CounterMetricFamily(
+            "ecrec_checkpoints_committed",
+            "Checkpoints committed, by kind (full, increment, hot)",
+            labels=[*names, "kind"],
+        )
+        written = CounterMetricFamily(
+            "ecrec_checkpoint_written_bytes", "Bytes of committed checkpoints", labels=names
+        )
+        paused = CounterMetricFamily(
+            "ecrec_checkpoint_paused_seconds", "Time training was held for checkpoints", labels=names
+        )
+        rollbacks = CounterMetricFamily(
+            "ecrec_rollbacks", "Rollbacks to a checkpoint after a failure", labels=names
+        )
+        redone = CounterMetricFamily(
+            "ecrec_steps_redone", "Steps trained again after rollbacks", labels=names
+        )
+        pls = GaugeMetricFamily(
+            "ecrec_portion_of_lost_samples", "CPR's portion of lost samples (partial recovery)", labels=names
+        )
+        if (ck := st.get("checkpointing")) is not None:
+            for kind, n in sorted(ck["committed"].items()):
+                ckpts.add_metric(labels("", kind), n)
+            written.add_metric(labels(), ck["bytesWritten"])
+            paused.add_metric(labels(), ck["pausedSeconds"])
+            rollbacks.add_metric(labels(), ck["rollbacks"])
+            redone.add_metric(labels(), ck["stepsRedone"])
+            pls.add_metric(labels(), ck["portionOfLostSamples"])
+        yield from (ckpts, written, paused, rollbacks, redone, pls)
+
         h = HistogramMetricFamily(
             "ecrec_job_rpc_latency_seconds",
             "Latency of the RPCs the job's workers made, by method (summed over workers by the coordinator)",

@@ -625,6 +625,12 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         if request.checkpoint < 1:
             raise InvalidRequest("checkpoint: ids start at 1")
         ctx = self.store.ctx
+        if request.hot:  # cpr: the hot rows, exact, while training goes on
+            if self.store.hot is None:
+                raise WrongState("hot-row saves need faultTolerance.strategy cpr with cpr.hotRows mfu or ssu")
+            t = self.store.hot_tensors()
+            entry = write_shard(store.root, request.checkpoint, self.store.shard, t)
+            return _checkpoint_answer(entry, int(t["index"].numel()), start)
         if ctx.spec.fault_tolerance.strategy != "checknrun":
             faults.fault_point("checkpoint:before_write")
             entry = write_shard(
@@ -675,9 +681,15 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
                 for t in (base, inc):
                     if t is not None:
                         t["rows"] = decode_records(t, ctx.dim, bits)
-                rows = self.store.load_checkpoint(base, inc, base=int(base_id))
-            else:
-                rows = self.store.load_checkpoint(store.read_shard(request.checkpoint, self.store.shard))
+                rows = self.store.load_checkpoint(
+                    base, *([inc] if inc is not None else []), base=int(base_id)
+                )
+            else:  # checkpoint, or cpr: its full checkpoint, then the hot-row saves since, oldest first
+                full, *hots = store.hot_chain(request.checkpoint)
+                shard = self.store.shard
+                rows = self.store.load_checkpoint(
+                    store.read_shard(full, shard), *(store.read_shard(h, shard) for h in hots)
+                )
         except CheckpointError as e:
             raise WrongState(str(e)) from e
         return pb.RestoreResponse(rows=rows, seconds=time.perf_counter() - start)

@@ -478,13 +478,19 @@ class CprSpec(_Checkpoints):
         default=None, gt=0, description="Mean time between server failures (CPR's T_fail), for targetPls"
     )
 
+    hot_rows: Literal["none", "mfu", "ssu"] = Field(
+        default="none",
+        description="CPR's hot-row saving between full checkpoints: mfu (the most frequently read rows) or ssu "
+        "(rows of sub-sampled reads); none: full checkpoints only",
+    )
     hot_row_fraction: float = Field(
-        default=0.1,
+        default=0.125,
         gt=0,
         le=1,
-        description="Fraction of rows (the most used) saved more often, CPR's MFU/SSU (not implemented yet: "
-        "every checkpoint saves every row)",
+        description="CPR's r: hot-row saves run r times the checkpoint interval apart and hold at most r of "
+        "each server's rows",
     )
+    ssu_period: PosInt = Field(default=2, description="ssu: every this many-th read request is sampled")
 
 
 class FaultToleranceSpec(_Section):

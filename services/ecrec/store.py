@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from ecrec.core.codes import make_code
+from ecrec.core.hotrows import make_tracker
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
@@ -177,6 +178,11 @@ class ShardStore:
         # holds). A baseline copied here may never be committed, so the previous one's mask is kept until an
         # increment names a newer base.
         self.modified_since: dict[int, torch.Tensor] = {}
+        # cpr with hotRows: which rows the next hot-row save holds (ecrec.core.hotrows)
+        cpr = ctx.spec.fault_tolerance.cpr
+        self.hot = None
+        if ctx.spec.fault_tolerance.strategy == "cpr":
+            self.hot = make_tracker(cpr.hot_rows, self.num_rows, cpr.hot_row_fraction, cpr.ssu_period, shard)
         # -- parity records -----------------------------------------------------------------------------
         n_par = p.parity_rows_on(shard) if p.r else 0
         parity = torch.zeros(n_par, ctx.record_width)
@@ -312,6 +318,8 @@ class ShardStore:
         local = self.local_rows(g)
         self.ensure_rows(local)
         with self.lock:
+            if self.hot is not None:
+                self.hot.access(local)
             return self.rows.records[local, : self.dim]
 
     def pull_dense(self, chunk: int) -> torch.Tensor:
@@ -627,6 +635,16 @@ class ShardStore:
             out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
         return out
 
+    def hot_tensors(self) -> dict[str, torch.Tensor]:
+        """cpr: a copy of the hot rows (at most hotRowFraction of them, the tracker's pick) and every dense
+        chunk, taken while training goes on: CPR does not need a consistent cut."""
+        k = max(1, int(self.num_rows * self.ctx.spec.fault_tolerance.cpr.hot_row_fraction))
+        with self.lock:
+            index = self.hot.take(k) if self.hot is not None else torch.zeros(0, dtype=torch.int64)
+            out = {"index": index, "rows": self.rows.records[index], "versions": self.rows.versions[index]}
+            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
+        return out
+
     def _initial_tensors(self) -> dict[str, torch.Tensor]:
         """The state the job starts from (a pure function of the seed), for a restore with no checkpoint yet."""
         seed = self.ctx.spec.training.seed
@@ -645,19 +663,20 @@ class ShardStore:
     def load_checkpoint(
         self,
         tensors: dict[str, torch.Tensor] | None,
-        increment: dict[str, torch.Tensor] | None = None,
+        *increments: dict[str, torch.Tensor],
         base: int | None = None,
     ) -> int:
-        """Replace this shard's whole state with a checkpoint's (None: the initial state), and, for checknrun,
-        the rows of an `increment` over it. Returns the data rows loaded. A checkpoint of another shape is
-        refused and changes nothing."""
+        """Replace this shard's whole state with a checkpoint's (None: the initial state), then apply the rows
+        (and dense chunks) of `increments` in order: checknrun's increment, cpr's hot-row saves. Returns the
+        data rows loaded. A checkpoint of another shape is refused and changes nothing."""
         t = self._initial_tensors() if tensors is None else dict(tensors)
         modified = torch.zeros(self.num_rows, dtype=torch.bool)
-        if increment is not None:
+        if increments:
+            t["rows"], t["versions"] = t["rows"].clone(), t["versions"].clone()
+        for increment in increments:
             index = increment["index"]
             if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
                 raise InvalidRequest(f"checkpoint of shard {self.shard}: increment rows outside the table")
-            t["rows"], t["versions"] = t["rows"].clone(), t["versions"].clone()
             t["rows"][index], t["versions"][index] = increment["rows"], increment["versions"]
             t |= {k: v for k, v in increment.items() if k.startswith("dense.")}
             modified[index] = True

@@ -54,6 +54,7 @@ class Act:
     final: bool = False
     baseline: bool = True  # checknrun: a full baseline, else an increment over `base`
     base: int | None = None
+    hot: bool = False  # cpr: a hot-row save over full checkpoint `base`, taken while training goes on
 
 
 @dataclass
@@ -85,6 +86,7 @@ class CheckpointCycle:
     interval_seconds: float | None = None
     interval_steps: int | None = None
     incremental: bool = True  # checknrun: increments between baselines
+    hot_interval: float | None = None  # cpr with hotRows: seconds between hot-row saves (r x the interval)
     phase: Phase = Phase.TRAINING
     next_id: int = 1
     pending: int | None = None  # the checkpoint being paused for or written
@@ -107,10 +109,15 @@ class CheckpointCycle:
     workers: dict[int, Worker] = field(default_factory=dict)
     rollbacks: int = 0
     steps_redone: int = 0
-    # CPR's portion of lost samples: each failure adds the samples since the last checkpoint over
-    # total samples x servers (§4.1); total_samples 0: not tracked
+    # CPR's portion of lost samples (partial recovery only): each failure adds the samples since the last
+    # checkpoint over total samples x servers (§4.1); total_samples 0: not tracked
     total_samples: int = 0
     pls: float = 0.0
+    _before_commit: tuple | None = field(default=None, repr=False)
+    # cpr's hot-row saves: the one being written, the last committed over `last`, when the last one ended
+    hot_pending: int | None = None
+    last_hot: int | None = None
+    last_hot_end: float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in CHECKPOINT_STRATEGIES:
@@ -149,13 +156,33 @@ class CheckpointCycle:
         return self._advance()
 
     def tick(self, now: float) -> list[Act]:
+        if self.finished:
+            return []  # the final checkpoint holds the end of training: nothing changes after it
         armed = self.phase is Phase.PAUSING and self.pause_at is not None and not self.pending_final
-        idle = self.persisting is None  # Check-N-Run: two checkpoints never overlap
+        idle = self.persisting is None and self.hot_pending is None  # checkpoints never overlap
         if (self.phase is Phase.TRAINING or armed) and self.last_end is not None and not self.failed and idle:
             final_due = self.all_done() and not (self.last and self.last.final)
             if not self.restoring and (final_due or (not armed and self._due(now))):
                 self._begin_pause(final=self.all_done())
+            elif self.phase is Phase.TRAINING and self._hot_due(now) and not self.all_done():
+                self.hot_pending = self.next_id
+                self.next_id += 1
+                return [
+                    Act(
+                        "write",
+                        self.hot_pending,
+                        tuple(range(self.num_servers)),
+                        hot=True,
+                        base=self.last.checkpoint,
+                    )
+                ]
         return self._advance()
+
+    def _hot_due(self, now: float) -> bool:
+        if self.hot_interval is None or self.last is None or self.restoring:
+            return False
+        since = self.last_hot_end if self.last_hot_end is not None else self.last_end
+        return since is not None and now - since >= self.hot_interval
 
     def failure(self, shard: int) -> list[Act]:
         """The coordinator declared `shard` failed."""
@@ -163,12 +190,12 @@ class CheckpointCycle:
             return []
         self.failed.add(shard)
         self.restoring.discard(shard)
-        if self.total_samples:
+        if self.total_samples and not self.rolls_back:  # a rollback trains the lost samples again
             done = sum(w.samples for w in self.workers.values())
             saved = sum(n for _s, n in self.last.progress.values()) if self.last else 0
             self.pls += max(0, done - saved) / (self.total_samples * self.num_servers)
         self.pending, self.pending_final = None, False  # a checkpoint missing a shard is never committed
-        self.persisting = None
+        self.persisting = self.hot_pending = None
         if self.rolls_back:
             self.rollback += 1
             self.rollbacks += 1
@@ -186,7 +213,7 @@ class CheckpointCycle:
             return self._advance()
         self.failed.discard(shard)
         self.restoring.add(shard)
-        ckpt = self.last.checkpoint if self.last else None
+        ckpt = self.last_hot or (self.last.checkpoint if self.last else None)  # the full one + its hot saves
         return [Act("restore", ckpt, (shard,))]
 
     def snapshotted(self, checkpoint: int, ok: bool, now: float) -> list[Act]:
@@ -202,12 +229,28 @@ class CheckpointCycle:
     def written(self, checkpoint: int, ok: bool, now: float, fraction: float | None = None) -> list[Act]:
         """Every server wrote its shard of `checkpoint` (ok), or one could not. `fraction`: of all rows, those
         in it (checknrun's increments)."""
+        if checkpoint == self.hot_pending and self.last is not None:
+            self.hot_pending, self.last_hot_end = None, now
+            if not ok:
+                return []
+            self.last_hot = checkpoint
+            return [
+                Act(
+                    "commit",
+                    checkpoint,
+                    progress=_rows(self.last.progress),
+                    hot=True,
+                    base=self.last.checkpoint,
+                )
+            ]
         synchronous = self.phase is Phase.WRITING and checkpoint == self.pending
         if not synchronous and checkpoint != self.persisting:
             return []  # abandoned meanwhile (a failure)
         acts: list[Act] = []
         if ok:
+            self._before_commit = (self.last, self.last_baseline, list(self.sizes))
             progress = dict(self.cut or {})
+            self.last_hot, self.last_hot_end = None, now
             base = None if self.pending_baseline else self.last_baseline
             self.last = Committed(checkpoint, progress, final=self.pending_final, base=base)
             if self.pending_baseline:
@@ -222,6 +265,16 @@ class CheckpointCycle:
         self.last_end = now
         self._arm()
         return acts + self._advance()
+
+    def commit_failed(self, checkpoint: int) -> list[Act]:
+        """The manifest of `checkpoint` could not be written: the checkpoint before it is the latest again."""
+        if checkpoint == self.last_hot:
+            self.last_hot = None  # the full checkpoint alone is still a sound (older) restore point
+            return []
+        if self.last is not None and self.last.checkpoint == checkpoint and self._before_commit is not None:
+            self.last, self.last_baseline, self.sizes = self._before_commit
+            self._before_commit = None
+        return []
 
     def restored(self, shards: tuple[int, ...], ok: bool, now: float) -> list[Act]:
         if not ok:

@@ -6,8 +6,9 @@ on a thread of its own, one act at a time and never under the coordinator's lock
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -45,21 +46,31 @@ class CheckpointDriver:
             interval_steps=steps,
             total_samples=t.steps * t.batch_size * spec.workers.replicas,
             incremental=getattr(settings, "incremental", True),
+            hot_interval=settings.hot_row_fraction * seconds
+            if ft.strategy == "cpr" and settings.hot_rows != "none" and not steps
+            else None,
         )
         self.store = ManifestStore.for_job(coord.job)
         self.num_rows = sum(spec.model_config_resolved().table_sizes)
         self.store.clear()  # generation 1 (failover is refused): this run starts from nothing
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        # One daemon thread runs the acts in order: a call to a hung server must never keep the coordinator
+        # process from exiting (a ThreadPoolExecutor's threads are joined at exit).
+        self._acts: queue.Queue[Act | None] = queue.Queue()
+        threading.Thread(target=self._loop, name="checkpoint", daemon=True).start()
         self._written: dict[int, list[dict]] = {}
         self.last_pause_seconds: float | None = None
+        # totals since the start, for /metrics: checkpoints committed by kind, bytes written, training paused
+        self.committed = {"full": 0, "increment": 0, "hot": 0}
+        self.bytes_written = 0
+        self.paused_seconds = 0.0
         self._pause_began: float | None = None
 
     # -- inputs: called with the coordinator's lock held ---------------------------------------------------
     def feed(self, acts: list[Act]) -> None:
         for act in acts:
-            if act.kind == "write" and self._pause_began is None:
+            if act.kind == "write" and not act.hot and self._pause_began is None:
                 self._pause_began = time.monotonic()
-            self._pool.submit(self._run, act)
+            self._acts.put(act)
 
     def stats(self) -> dict:
         """For /v1/status (and so `ecrec local`'s report): what the strategy has cost and lost so far."""
@@ -74,10 +85,17 @@ class CheckpointDriver:
             "rollbacks": c.rollbacks,
             "stepsRedone": c.steps_redone,
             "portionOfLostSamples": round(c.pls, 6),
+            "committed": dict(self.committed),
+            "bytesWritten": self.bytes_written,
+            "pausedSeconds": round(self.paused_seconds, 3),
         }
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._acts.put(None)
+
+    def _loop(self) -> None:
+        while (act := self._acts.get()) is not None:
+            self._run(act)
 
     # -- acts: on the driver's thread -----------------------------------------------------------------------
     def _run(self, act: Act) -> None:
@@ -117,7 +135,7 @@ class CheckpointDriver:
 
         t0 = time.monotonic()
         req = pb.CheckpointRequest(
-            checkpoint=act.checkpoint, final=act.final, baseline=act.baseline, base=act.base or 0
+            checkpoint=act.checkpoint, final=act.final, baseline=act.baseline, base=act.base or 0, hot=act.hot
         )
         answers = self._call_all(act.shards, "Checkpoint", req)
         if self.cycle.decoupled:  # the servers have copied their state: training resumes, the write goes on
@@ -141,7 +159,7 @@ class CheckpointDriver:
             self._event("checkpoint_written", act, ok, t0)
             fraction = rows / max(1, self.num_rows)
             self.feed(self.cycle.written(act.checkpoint, ok, self.coord.clock(), fraction=fraction))
-            if not ok:
+            if not ok and not act.hot:
                 self._pause_ended()
 
     @staticmethod
@@ -158,11 +176,24 @@ class CheckpointDriver:
         self.coord.progress.event(kind, self.coord.clock(), checkpoint=act.checkpoint, ok=ok, seconds=seconds)
 
     def _commit(self, act: Act) -> None:
+        from ecrec.ft.files import CheckpointError
+
         files = self._written.pop(act.checkpoint)
         progress = [{"rank": r, "step": s, "samples": n} for r, s, n in act.progress]
-        self.store.commit(act.checkpoint, progress, files, final=act.final, base=act.base)
+        try:
+            self.store.commit(act.checkpoint, progress, files, final=act.final, base=act.base, hot=act.hot)
+        except (CheckpointError, OSError) as e:
+            log.error("checkpoint %d: the manifest was not written: %s", act.checkpoint, e)
+            with self.coord.lock:
+                self.coord.progress.event("checkpoint_failed", self.coord.clock(), checkpoint=act.checkpoint)
+                self.feed(self.cycle.commit_failed(act.checkpoint))
+            return
         with self.coord.lock:
-            seconds = self._pause_ended() or self.last_pause_seconds  # checknrun: it ended with the copy
+            # checknrun: the pause ended with the copy; cpr's hot-row saves do not pause at all
+            seconds = None if act.hot else self._pause_ended() or self.last_pause_seconds
+            kind = "hot" if act.hot else "full" if act.base is None else "increment"
+            self.committed[kind] += 1
+            self.bytes_written += sum(f["bytes"] for f in files)
             self.coord.progress.event(
                 "checkpoint_committed",
                 self.coord.clock(),
@@ -170,6 +201,7 @@ class CheckpointDriver:
                 final=act.final,
                 pause_seconds=seconds,
                 baseline=act.baseline,
+                hot=act.hot,
                 bytes=sum(f["bytes"] for f in files),
             )
         self.store.prune()
@@ -178,6 +210,7 @@ class CheckpointDriver:
         if self._pause_began is None:
             return None
         self.last_pause_seconds = round(time.monotonic() - self._pause_began, 3)
+        self.paused_seconds += self.last_pause_seconds
         self._pause_began = None
         return self.last_pause_seconds
 

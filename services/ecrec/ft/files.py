@@ -102,6 +102,7 @@ class ManifestStore:
         files: list[dict],
         final: bool = False,
         base: int | None = None,
+        hot: bool = False,
     ) -> Path:
         """Write the manifest of a checkpoint whose shard files are all written (checked here). `base`: the
         baseline checkpoint an increment (checknrun) applies to."""
@@ -115,6 +116,7 @@ class ManifestStore:
             "jobHash": self.hash,
             "final": final,
             "base": base,
+            "hot": hot,
             "progress": progress,
             "files": files,
         }
@@ -161,6 +163,20 @@ class ManifestStore:
             return self.read_shard(checkpoint, shard), None
         return self.read_shard(int(base), shard), self.read_shard(checkpoint, shard)
 
+    def hot_chain(self, checkpoint: int) -> list[int]:
+        """cpr: [full checkpoint, hot-row saves over it up to `checkpoint`, oldest first] ([checkpoint] for a
+        full one)."""
+        doc = self.manifest(checkpoint)
+        if not doc.get("hot"):
+            return [checkpoint]
+        base = int(doc["base"])
+        hots = [
+            c
+            for c in self.committed()
+            if base < c <= checkpoint and (m := self.manifest(c)).get("hot") and m.get("base") == base
+        ]
+        return [base, *hots]
+
     def read_shard(self, checkpoint: int, shard: int) -> dict[str, torch.Tensor]:
         doc = self.manifest(checkpoint)
         entry = next((f for f in doc["files"] if f["shard"] == shard), None)
@@ -187,8 +203,11 @@ class ManifestStore:
         ids = self.committed()
         if not ids:
             return
-        keep = set(ids[-self.keep :])
-        keep |= {int(b) for c in keep if (b := self.manifest(c).get("base")) is not None}  # still needed
+        # The newest `keep` full checkpoints, and every increment or hot-row save over one of them (a restore
+        # reads its base and, for cpr, every hot-row save since).
+        bases = {c: self.manifest(c).get("base") for c in ids}
+        fulls = set([c for c in ids if bases[c] is None][-self.keep :])
+        keep = fulls | {c for c in ids if bases[c] in fulls}
         for d in self.root.glob("ckpt-*"):
             try:
                 n = int(d.name.removeprefix("ckpt-"))
