@@ -52,7 +52,7 @@ def test_checkpoints_pause_training_and_change_nothing(tmp_path, baseline):
 
 
 def test_a_killed_server_rolls_every_shard_back_and_the_replay_ends_bit_identical(tmp_path, baseline):
-    report = run_local(ckpt_ctx("ckpt-kill"), tmp_path, progress=False, kills=[(1, 2.0)])
+    report = run_local(ckpt_ctx("ckpt-kill"), tmp_path, progress=False, kills=[(1, "step:100")])
     [rolled] = events(report, "rolled_back")
     [restored] = events(report, "checkpoint_restored")
     assert restored["shards"] == [0, 1, 2]
@@ -82,7 +82,7 @@ def test_a_crash_between_the_shard_files_and_the_manifest_falls_back_to_the_chec
 
 
 def test_cpr_restores_only_the_lost_shard_and_training_never_rolls_back(tmp_path, baseline):
-    report = run_local(ckpt_ctx("cpr", "cpr"), tmp_path, progress=False, kills=[(1, 2.0)])
+    report = run_local(ckpt_ctx("cpr", "cpr"), tmp_path, progress=False, kills=[(1, "step:100")])
     [restored] = events(report, "checkpoint_restored")
     assert restored["shards"] == [1]
     assert events(report, "rolled_back") == []
@@ -99,7 +99,7 @@ def test_checknrun_increments_restore_exactly_at_full_precision(tmp_path, baseli
     # Check-N-Run without quantization: baseline + increment restores bit-exact state, so the replay after
     # a kill ends where the run without failure does. Training resumed right after each copy (decoupled).
     ctx = ckpt_ctx("cnr32", "checknrun", faultTolerance__checknrun__quantizeBits=32)
-    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 2.0)])
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, "step:100")])
     committed = events(report, "checkpoint_committed")
     assert committed[0]["baseline"] and any(not c["baseline"] for c in committed), committed
     assert len(events(report, "checkpoint_snapshot")) >= len(committed)
@@ -115,7 +115,7 @@ def test_checknrun_increments_restore_exactly_at_full_precision(tmp_path, baseli
 
 def test_checknrun_quantized_to_4_bits_recovers_and_still_trains(tmp_path, baseline):
     ctx = ckpt_ctx("cnr4", "checknrun", faultTolerance__checknrun__quantizeBits=4)
-    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 2.0)])
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, "step:100")])
     [restored] = events(report, "checkpoint_restored")
     assert restored["checkpoint"] > 0
     # The restore dequantized the embeddings: not the run without failure, yet a model that learned.

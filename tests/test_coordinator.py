@@ -149,3 +149,38 @@ def test_a_silent_worker_is_declared_unresponsive_and_a_report_clears_it():
     # It comes back before anyone deleted it: no longer unresponsive.
     api.post("/v1/workers/progress", json={"rank": 1, "instance": "w1", "step": 1, "samples": 64})
     assert not {w["rank"]: w for w in api.get("/v1/status").json()["workers"]}[1]["unresponsive"]
+
+
+def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_is_done(tmp_path):
+    # A worker stopped for a rollback keeps reporting its pre-rollback step until it takes up the resume
+    # point; such a report, arriving after the restore, must not undo the rollback's counters (it did, and
+    # the worker's next, honest report was then refused as going backwards).
+    ctx = make_ctx(
+        servers__replicas=2,
+        workers__replicas=1,
+        faultTolerance__strategy="checkpoint",
+        faultTolerance__checkpoint__path=str(tmp_path),
+    )
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: True)
+    api = TestClient(create_app(coord))
+    for s in range(2):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    assert api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"}).json()["started"]
+
+    def report(step: int, **holds) -> int:
+        body = {"rank": 0, "instance": "w0", "step": step, "samples": step * 64, **holds}
+        return api.post("/v1/workers/progress", json=body).status_code
+
+    assert report(175) == 200
+    cycle = coord.ckpt.cycle
+    with coord.lock:  # what the driver does on a failure and a restore, without servers to call
+        cycle.failure(1)
+    assert report(175, stopped=1) == 200
+    with coord.lock:
+        cycle.registered(1)  # its replacement
+        cycle.restored((0, 1), True, now=coord.clock())
+        coord.rolled_back(cycle.resume)
+    assert report(175, stopped=1) == 200  # late, from before the resume: its step is not taken
+    assert api.get("/v1/status").json()["step"] == 0
+    assert report(3, stopped=1, resumed=1) == 200
+    assert api.get("/v1/status").json()["step"] == 3

@@ -232,7 +232,7 @@ def test_kill_option_is_validated_before_starting(tmp_path):
 
     from tests.test_local import REPO
 
-    for bad in ("7@3", "x@1", "2"):
+    for bad in ("7@3", "x@1", "2", "1@step:x", "1@step:-4"):
         res = subprocess.run(
             [
                 sys.executable,
@@ -252,6 +252,14 @@ def test_kill_option_is_validated_before_starting(tmp_path):
         )
         assert res.returncode == 2 and "--kill" in res.stderr, (bad, res.stderr)
     assert not (tmp_path / "o").exists()
+
+
+def test_kill_times_are_seconds_or_a_step():
+    from ecrec.cli import _parse_kill
+
+    assert _parse_kill("2@1.5", 5) == (2, 1.5)
+    assert _parse_kill("1@step:100", 5) == (1, "step:100")
+    assert _parse_kill("coordinator@3", 5) == ("coordinator", 3.0)
 
 
 def test_a_hung_worker_is_found_out_by_its_silence_replaced_and_its_rank_resumed(tmp_path):

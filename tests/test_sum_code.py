@@ -299,7 +299,11 @@ def test_progress_reports_send_null_for_a_non_finite_loss() -> None:
     class Http:
         def post(self, url, json):
             sent.append(json)
-            return type("Response", (), {"status_code": 200, "raise_for_status": lambda self: None})()
+            return type(
+                "Response",
+                (),
+                {"status_code": 200, "raise_for_status": lambda self: None, "json": lambda self: {}},
+            )()
 
     link = CoordinatorLink("http://coordinator", 0, "w0", incarnation=1, patience=1.0)
     link.http = Http()

@@ -109,16 +109,18 @@ def cmd_local(args) -> int:
     return 0
 
 
-def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float]:
+def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float | str]:
     target, sep, at = text.partition("@")
     try:
-        s, t = (target if target == "coordinator" else int(target)), float(at)
+        s = target if target == "coordinator" else int(target)
+        t: float | str = f"step:{int(at[5:])}" if at.startswith("step:") else float(at)
     except ValueError:
         raise ValueError(
-            f"--kill {text!r}: expected SHARD@SECONDS or coordinator@SECONDS, e.g. 1@10"
+            f"--kill {text!r}: expected SHARD@SECONDS, SHARD@step:N or coordinator@SECONDS, e.g. 1@10"
         ) from None
-    if not sep or (s != "coordinator" and not 0 <= s < num_servers) or t < 0:
-        raise ValueError(f"--kill {text!r}: shard must be in [0, {num_servers}) and seconds >= 0")
+    at_ok = int(t[5:]) >= 0 if isinstance(t, str) else t >= 0
+    if not sep or (s != "coordinator" and not 0 <= s < num_servers) or not at_ok:
+        raise ValueError(f"--kill {text!r}: shard must be in [0, {num_servers}) and seconds or step >= 0")
     return s, t
 
 
@@ -312,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="SHARD@SECONDS",
         help="SIGKILL that server's process (or the coordinator's: coordinator@SECONDS) this long after "
-        "training started (repeatable)",
+        "training started, or once training reached a step (SHARD@step:N) (repeatable)",
     )
     p.add_argument(
         "--chaos",

@@ -105,6 +105,7 @@ class Progress(BaseModel):
     # Checkpoint strategies: the checkpoint it is paused for, the rollback generation it has caught up with.
     paused: int | None = None
     stopped: int = 0
+    resumed: int = 0  # the rollback generation whose resume point its counters start from
     # Counters of this worker process since it started (exported by the coordinator, ecrec.metrics):
     degradedReads: dict[int, int] = {}  # failed shard -> rows read by decoding
     degradedWrites: dict[int, int] = {}  # failed shard -> rows updated at their acting home
@@ -396,9 +397,8 @@ class Coordinator:
         try:
             self._admit(req.shard, rejoin)
             return True
-        except (
-            Refused
-        ) as e:  # e.g. the listed process still serves: the newcomer is refused, as a registration is
+        except Refused as e:
+            # e.g. the listed process still serves: the newcomer is refused, as a registration would be
             log.info("rejoin of shard %d refused: %s", req.shard, e)
             return False
 
@@ -582,8 +582,10 @@ class Coordinator:
     def report_progress(self, req: Progress) -> dict:
         with self.lock:
             w = self._worker(req.rank, req.instance)
-            if self.ckpt is not None and req.stopped < self.ckpt.cycle.rollback:
-                # Sent before the worker heard of the latest rollback: its counts are from before the restore.
+            rollback = self.ckpt.cycle.rollback if self.ckpt is not None else 0
+            if req.stopped < rollback or req.resumed < rollback:
+                # Sent before the worker took up the latest rollback's resume point: its counts are from before
+                # the restore (the rollback's own, set in rolled_back, stand).
                 w.heard_at = self.clock()
                 self.ckpt.feed(
                     self.ckpt.cycle.report(req.rank, w.step, w.samples, w.done, req.paused, req.stopped)

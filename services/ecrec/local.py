@@ -304,15 +304,23 @@ def machine_description() -> dict:
     }
 
 
+def _kill_due(at: float | str, seconds: float, step: int) -> bool:
+    """A kill's `at`: seconds since training started, or "step:N" (once the slowest worker reached step N:
+    the same point of the job however fast this machine trains)."""
+    if isinstance(at, str):
+        return step >= int(at.removeprefix("step:"))
+    return at <= seconds
+
+
 class Supervisor:
     """The local twin of the operator: kills servers on schedule (`--kill`, `--chaos`) and carries out what the
     reconciler shared with the operator (ecrec.core.reconcile) decides — replacements under the same shard id
     or rank, failure reports, recoveries — with processes instead of pods."""
 
-    def __init__(self, kills: list[tuple[int, float]] = (), chaos: int = 0, seed: int = 0):
+    def __init__(self, kills: list[tuple[int | str, float | str]] = (), chaos: int = 0, seed: int = 0):
         import random
 
-        self.kills = sorted(kills, key=lambda k: k[1])
+        self.kills = list(kills)
         self.chaos_left = chaos
         self.rng = random.Random(seed)
         self.next_chaos: tuple[int, float] | None = None
@@ -336,7 +344,7 @@ class Supervisor:
         n = cluster.ctx.num_servers
         if self.chaos_left and self.next_chaos is None and _all_recovered(status):
             self.next_chaos = (self.rng.randrange(n), t + self.rng.uniform(1.0, 4.0))
-        due = [k for k in self.kills if k[1] <= t]
+        due = [k for k in self.kills if _kill_due(k[1], t, status["step"])]
         if self.next_chaos is not None and self.next_chaos[1] <= t:
             due.append(self.next_chaos)
             self.next_chaos = None
@@ -426,7 +434,7 @@ def run_local(
     *,
     progress: bool = True,
     start_timeout: float = 120.0,
-    kills: list[tuple[int, float]] = (),
+    kills: list[tuple[int | str, float | str]] = (),
     chaos: int = 0,
     seed: int = 0,
     fault: str | None = None,

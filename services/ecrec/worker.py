@@ -246,6 +246,10 @@ class ProgressReporter:
         # The checkpoint strategies: what this worker holds for, and the coordinator's latest control.
         self.paused: int | None = None
         self.stopped = 0
+        # The rollback whose resume point the counters above are from: reports of a worker that stopped for a
+        # rollback carry pre-rollback counters until it resumes, and must not count once the restore is done.
+        self.resumed = 0
+        self.lock = threading.Lock()  # one report's counters are of one moment (see Holds._stop)
         self.done = False  # all steps trained (a rollback can undo it)
         self.control: dict | None = None
         self._stop = threading.Event()
@@ -254,9 +258,10 @@ class ProgressReporter:
     def start(self) -> None:
         self._thread.start()
 
-    def _post(self, done: bool = False, error: str | None = None) -> None:
-        answer = self.link.progress(
-            {
+    def _post(self, done: bool | None = None, error: str | None = None) -> None:
+        """One report; `done` None: as the counters say (read with them)."""
+        with self.lock:
+            body = {
                 "rank": self.link.rank,
                 "instance": self.link.instance,
                 "step": self.step,
@@ -264,25 +269,25 @@ class ProgressReporter:
                 "loss": self.loss
                 if self.loss is None or math.isfinite(self.loss)
                 else None,  # no NaN in JSON
-                "done": done,
+                "done": self.done if done is None else done,
                 "error": error,
                 "lastStepAt": self.last_step_at,
                 "paused": self.paused,
                 "stopped": self.stopped,
-                **(self.counters() if self.counters is not None else {}),
+                "resumed": self.resumed,
             }
-        )
+        answer = self.link.progress(body | (self.counters() if self.counters is not None else {}))
         if answer.get("control") is not None:
             self.control = answer["control"]
 
     def post_now(self) -> None:
         """A report at once (the coordinator waits for it), retried while no coordinator answers."""
-        self.link._retry("a progress report", lambda: self._post(done=self.done))
+        self.link._retry("a progress report", self._post)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._post(done=self.done)
+                self._post()
             except httpx.HTTPError as e:
                 log.warning("progress report failed: %s", e)
 
@@ -308,7 +313,7 @@ class Holds:
         self.rolls_back = ctx.spec.fault_tolerance.strategy in ROLLBACK_STRATEGIES
         control = control or {}
         # The rollback generation this process has caught up with (a replacement starts at the current one).
-        self.acked = reporter.stopped = int(control.get("rollback", 0))
+        self.acked = reporter.stopped = reporter.resumed = int(control.get("rollback", 0))
         self.paused_for: int | None = None  # the checkpoint it last paused for
         self.client: PSClient | None = None
 
@@ -355,7 +360,9 @@ class Holds:
                 step, samples = (int(x) for x in resume[str(self.rank)])
                 log.info("rolled back (rollback %d): resuming at step %d", gen, step)
                 self.acked = gen
-                self.reporter.step, self.reporter.samples, self.reporter.done = step, samples, False
+                with self.reporter.lock:
+                    r = self.reporter
+                    r.step, r.samples, r.done, r.resumed = step, samples, False, gen
                 if self.client is not None:
                     self.client.refresh()  # the replacement's address
                 self.reporter.post_now()
