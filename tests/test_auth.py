@@ -45,6 +45,18 @@ def test_a_server_refuses_every_call_without_the_job_token_and_changes_nothing(s
                 with pytest.raises(grpc.RpcError) as err:
                     call(request, timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Every method of the service, with its own (empty) request message: refused before the request is read.
+    service = pb.DESCRIPTOR.services_by_name["ParameterServer"]
+    assert len(service.methods) >= 17
+    with auth.channel(addr, None) as ch:
+        for m in service.methods:
+            call = ch.unary_unary(
+                f"/{service.full_name}/{m.name}", request_serializer=lambda msg: msg.SerializeToString()
+            )
+            request = getattr(pb, m.input_type.name)()
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, m.name
     assert torch.equal(store.pull(g), before)
     with auth.channel(addr, TOKEN) as ch:  # the same calls with the token go through
         stub = pb_grpc.ParameterServerStub(ch)

@@ -256,3 +256,36 @@ def test_cpr_saves_hot_rows_between_full_checkpoints_without_pausing_and_restore
     report(c, 0, 40, paused=c.pending)
     c.written(c.pending, True, now=30.0)
     assert c.last_hot is None and c.tick(31.0) == []
+
+
+def test_a_successor_coordinator_rolls_back_to_the_stores_newest_checkpoint_with_ids_above_the_old_ones():
+    from ecrec.core.checkpointing import Committed
+
+    # The dead coordinator (generation 1) had checkpoint 3 committed and was writing 4, rollback 2 done.
+    c = cycle()
+    last = Committed(3, {0: (30, 300), 1: (29, 290)})
+    assert c.taken_over(last, None, generation=2, now=50.0) == []
+    ctl = c.control()
+    assert c.phase is Phase.STOPPING and ctl["rollback"] == (1 << 20) + 1 > 2 and ctl["pause"] is None
+    # Workers heard of rollback 2 at most: their reports do not count as stopped for this one.
+    report(c, 0, 41, stopped=2)
+    assert report(c, 1, 40, stopped=2) == []
+    report(c, 0, 41, stopped=ctl["rollback"])
+    assert report(c, 1, 40, stopped=ctl["rollback"]) == [Act("restore", 3, (0, 1, 2))]
+    c.restored((0, 1, 2), True, now=52.0)
+    assert c.control()["resume"] == {"0": [30, 300], "1": [29, 290]} and c.rollbacks == 1
+    # The next checkpoint's id is above any the dead one could have used (its files may linger).
+    c.tick(62.0)
+    assert c.control()["pause"] == (1 << 20) + 1
+
+
+def test_a_successor_under_cpr_trains_on_and_restores_a_replacement_that_was_waiting():
+    from ecrec.core.checkpointing import Committed
+
+    c = cycle("cpr", servers=3)
+    last = Committed(2, {0: (20, 200), 1: (20, 200)})
+    acts = c.taken_over(last, 5, generation=3, now=10.0, failed=(0, 1), registered=(1,))
+    assert acts == [Act("restore", 5, (1,))]  # the newest hot-row save over checkpoint 2
+    assert c.phase is Phase.TRAINING and c.control()["rollback"] == 0  # nobody stops
+    assert not c.shard_ready(0) and not c.shard_ready(1)
+    assert c.registered(0) == [Act("restore", 5, (0,))]  # shard 0's replacement comes later

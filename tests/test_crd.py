@@ -124,7 +124,7 @@ def test_status_schema_has_every_documented_field_and_no_defaults() -> None:
         "shard", "killedAt", "detectedAt", "continuedAt", "completedAt", "rowsRecovered", "state",
     }  # fmt: skip
     assert props["replacements"]["type"] == "integer"
-    assert set(props["eval"]["properties"]) == {"auc", "logloss"}
+    assert set(props["eval"]["properties"]) == {"auc", "logloss", "reference"}
     assert set(props["parityCheck"]["properties"]) >= {"stripes", "mismatches"}
     assert props["kopf"]["x-kubernetes-preserve-unknown-fields"] is True
     assert "x-kubernetes-preserve-unknown-fields" not in status  # everything else is pruned if unknown

@@ -239,3 +239,73 @@ def test_the_job_network_policy_admits_its_own_pods_and_the_operator_only():
     egress = spec["egress"]
     assert egress[0] == {"to": [own]} and {p["port"] for p in egress[1]["ports"]} == {53}
     assert egress[2] == {"ports": [{"port": 443}]} and len(egress) == 3
+
+
+def checkpoint_job(**settings):
+    import dataclasses
+
+    from ecrec.spec import JobSpec
+
+    job = k8s_job()
+    doc = job.spec.to_dict()
+    doc["faultTolerance"] = {"strategy": "checkpoint", "checkpoint": {"intervalSteps": 50, **settings}}
+    return dataclasses.replace(job, spec=JobSpec.model_validate(doc))
+
+
+def test_a_checkpoint_strategy_needs_a_volume_claim_and_a_relative_path_on_kubernetes():
+    assert render.kubernetes_problems(k8s_job()) == []  # ecrec needs neither
+    [problem] = render.kubernetes_problems(checkpoint_job())
+    assert problem.startswith("spec.faultTolerance.checkpoint.volumeClaim: required on Kubernetes")
+    for path in ("/data/ckpt", "../other-job"):
+        [problem] = render.kubernetes_problems(checkpoint_job(volumeClaim="ckpt", path=path))
+        assert f"path {path!r}: must be relative" in problem
+    assert render.kubernetes_problems(checkpoint_job(volumeClaim="ckpt", path="runs/a")) == []
+
+
+def test_the_claim_is_mounted_where_the_coordinator_and_servers_read_the_checkpoint_path():
+    import json
+
+    job = checkpoint_job(volumeClaim="ckpt", path="runs/a")
+    expected = f"{render.CHECKPOINT_DIR}/k8s-small/runs/a"
+    for role in ("coordinator", "server", "worker"):
+        spec = render.pod(job, "ns", role, 0, 1)["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        # Every process reads the same job (the checkpoint manifest names its hash).
+        assert json.loads(env["ECREC_JOB"])["spec"]["faultTolerance"]["checkpoint"]["path"] == expected
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        if role == "worker":  # workers never touch checkpoint files
+            assert render.CHECKPOINT_VOLUME not in mounts and render.CHECKPOINT_VOLUME not in volumes
+        else:
+            assert expected.startswith(mounts[render.CHECKPOINT_VOLUME] + "/")
+            assert volumes[render.CHECKPOINT_VOLUME]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+
+
+def test_the_status_carries_the_checkpoint_account():
+    job = checkpoint_job(volumeClaim="ckpt")
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    stats = {
+        "strategy": "checkpoint",
+        "intervalSeconds": None,
+        "intervalSteps": 50,
+        "phase": "training",
+        "lastCheckpoint": 3,
+        "lastPauseSeconds": 0.2,
+        "rollbacks": 1,
+        "stepsRedone": 17,
+        "portionOfLostSamples": 0.0,
+        "committed": {"full": 3, "increment": 0, "hot": 0},
+        "bytesWritten": 4096,
+        "pausedSeconds": 0.5,
+    }
+    st = job_status(job.spec, {"phase": "Running", "checkpointing": stats}, [], {}, now, replacements=1)
+    assert st["checkpointing"] == {
+        k: v for k, v in stats.items() if k not in ("intervalSeconds", "intervalSteps", "lastPauseSeconds")
+    }
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("k8s-*.yaml")))
+def test_every_kubernetes_example_runs_on_kubernetes_as_it_is(example):
+    job = load_job(str(REPO / "examples" / example), ())
+    assert render.kubernetes_problems(job) == []

@@ -577,7 +577,8 @@ def test_crd_schema_keeps_constraints_and_descriptions() -> None:
     assert (t["learningRate"]["minimum"], t["learningRate"]["exclusiveMinimum"]) == (0, True)
     assert (t["momentum"]["maximum"], t["momentum"]["exclusiveMaximum"]) == (1, True)
     assert t["eps"]["type"] == "number" and t["eps"]["nullable"] is True
-    assert props["model"]["properties"]["preset"]["enum"] == ["tiny", "small", "criteo-kaggle"]
+    presets = ["tiny", "small", "criteo-kaggle", "movielens100k"]
+    assert props["model"]["properties"]["preset"]["enum"] == presets
     assert props["faultTolerance"]["properties"]["checknrun"]["properties"]["quantizeBits"]["enum"] == [
         4,
         8,
@@ -593,7 +594,7 @@ def test_crd_defaults_match_the_model_and_leave_preset_fields_alone() -> None:
     schema = spec_openapi_schema()
     model = schema["properties"]["model"]["properties"]
     # A CRD default would be filled in by the apiserver and then override the preset.
-    for alias in ("embeddingDim", "tableSizes", "bottomMlp", "topMlp"):
+    for alias in ("embeddingDim", "numDenseFeatures", "tableSizes", "bottomMlp", "topMlp"):
         assert "default" not in model[alias]
     defaults = job_from_dict(TINY).spec.to_dict()
     seen = 0
@@ -611,7 +612,14 @@ def test_crd_defaults_match_the_model_and_leave_preset_fields_alone() -> None:
 
 def test_examples_and_round_trips_validate_against_the_crd_schema() -> None:
     schema = spec_openapi_schema()
-    docs = [yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES]
+    docs = [load_job(p).to_manifest()["spec"] for p in EXAMPLES]
+    # Each example's ECRecJob as written (an example may hold other documents, e.g. its PersistentVolumeClaim).
+    docs += [
+        d["spec"]
+        for p in EXAMPLES
+        for d in yaml.safe_load_all(p.read_text())
+        if d and d.get("kind") == "ECRecJob"
+    ]
     docs += [job_from_dict(RICH_SPEC).to_manifest()["spec"], job_from_dict(TINY).to_manifest()["spec"]]
     for doc in docs:
         assert _validate(doc, schema) == []

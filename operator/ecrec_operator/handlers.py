@@ -183,19 +183,9 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         # A spec the schema could not reject (cross-field rules): nothing is created.
         _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
         return
-    if job.spec.fault_tolerance.strategy not in ("none", "ecrec"):
-        # The checkpoint strategies need a directory every pod of the job shares (a PersistentVolumeClaim),
-        # which the operator does not mount yet: refused rather than run with per-pod directories.
-        strategy = job.spec.fault_tolerance.strategy
-        _fail(
-            patch,
-            body,
-            status,
-            now,
-            "ECRecJobInvalidSpec",
-            f"faultTolerance.strategy {strategy}: not "
-            "supported on Kubernetes yet (it runs with ecrec local); use none or ecrec",
-        )
+    problems = render.kubernetes_problems(job)
+    if problems:
+        _fail(patch, body, status, now, "ECRecJobInvalidSpec", "invalid spec: " + "; ".join(problems))
         return
     pods = _pods(pods_by_job, namespace, name)
     if not pods and not status.get("coordinatorIncarnation"):
@@ -402,12 +392,17 @@ class FinalChecks:
 
 def _run_final_checks(ctx, coord_status: dict, logger) -> dict | None:
     from ecrec.client import PSClient, evaluate
+    from ecrec.reference import reference_for_job
     from ecrec.worker import data_source
 
     client = PSClient(ctx, coord_status["cluster"])
     try:
-        ev = evaluate(client, data_source(ctx).eval_batches(4096))
+        data = data_source(ctx)
+        ev = evaluate(client, data.eval_batches(4096))
         out: dict = {"eval": {"auc": ev["auc"], "logloss": ev["logloss"]}}
+        reference = reference_for_job(ctx.spec, data)  # real data: LR and FM on the same split, as a bar
+        if reference:
+            out["eval"]["reference"] = reference
         if ctx.ecrec:
             pc = client.parity_check()
             out["parityCheck"] = {

@@ -17,18 +17,20 @@ of the per-job NetworkPolicy (`network_policy`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 
 from ecrec import auth
+from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.reconcile import Proc
 from ecrec.podlabels import LABEL_INCARNATION, LABEL_JOB, LABEL_RANK, LABEL_ROLE, LABEL_SHARD, pod_identity
-from ecrec.spec import Job, ServersSpec
+from ecrec.spec import Job, JobSpec, ServersSpec
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
 HTTP_PORT = 8080  # coordinator REST
@@ -47,6 +49,10 @@ RESTRICTED_CONTAINER_SECURITY_CONTEXT: dict = {
 }
 TMP_VOLUME = "tmp"
 TMP_DIR = "/tmp"
+# The checkpoint strategies' volume (spec.faultTolerance.<strategy>.volumeClaim), in coordinator and server
+# pods; a job writes under <CHECKPOINT_DIR>/<job name>/<path>, so jobs may share a claim.
+CHECKPOINT_VOLUME = "checkpoints"
+CHECKPOINT_DIR = "/var/lib/ecrec/checkpoints"
 # Where the processes and their libraries write: the /tmp emptyDir (the root filesystem is read-only).
 SCRATCH_ENV = {
     "HOME": TMP_DIR,
@@ -195,8 +201,41 @@ def labels(job: str, role: str, index: int | None = None, incarnation: int | Non
     return out
 
 
+def kubernetes_problems(job: Job) -> list[str]:
+    """What a spec the schema accepts still lacks to run on Kubernetes (ecrec local needs none of it)."""
+    ft = job.spec.fault_tolerance
+    if ft.strategy not in CHECKPOINT_STRATEGIES:
+        return []
+    settings, where = getattr(ft, ft.strategy), f"spec.faultTolerance.{ft.strategy}"
+    out = []
+    if not settings.volume_claim:
+        out.append(
+            f"{where}.volumeClaim: required on Kubernetes: the PersistentVolumeClaim the coordinator and the "
+            "servers keep the checkpoints on"
+        )
+    path = PurePosixPath(settings.path)
+    if path.is_absolute() or ".." in path.parts:
+        out.append(
+            f"{where}.path {settings.path!r}: must be relative on Kubernetes (a directory under the job's own "
+            "in the volume claim)"
+        )
+    return out
+
+
+def pod_job(job: Job) -> Job:
+    """The job as its pods read it: a checkpoint strategy's `path` made absolute, under the claim's mount."""
+    ft = job.spec.fault_tolerance
+    if ft.strategy not in CHECKPOINT_STRATEGIES:
+        return job
+    doc = job.spec.to_dict()
+    section = doc["faultTolerance"].setdefault(ft.strategy, {})
+    section["path"] = f"{CHECKPOINT_DIR}/{job.name}/{getattr(ft, ft.strategy).path}"
+    return dataclasses.replace(job, spec=JobSpec.model_validate(doc))
+
+
 def job_json(job: Job) -> str:
     """What every process reads its job from (`--job env:ECREC_JOB`)."""
+    job = pod_job(job)
     return json.dumps({"name": job.name, "spec": job.spec.to_dict()})
 
 
@@ -306,6 +345,10 @@ def pod(
         "ports": ports,
         "volumeMounts": [{"name": TMP_VOLUME, "mountPath": TMP_DIR}],
     }
+    ft = spec.fault_tolerance
+    claim = getattr(ft, ft.strategy).volume_claim if ft.strategy in CHECKPOINT_STRATEGIES else None
+    if claim and role != "worker":  # workers never touch checkpoint files
+        container["volumeMounts"].append({"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_DIR})
     if d.container_security_context:
         container["securityContext"] = _copy(d.container_security_context)
     if section.image_pull_policy or d.image_pull_policy:
@@ -325,6 +368,8 @@ def pod(
         "containers": [container],
         "volumes": [{"name": TMP_VOLUME, "emptyDir": {}}],
     }
+    if claim and role != "worker":
+        pod_spec["volumes"].append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
     if d.pod_security_context:
         pod_spec["securityContext"] = _copy(d.pod_security_context)
     if d.image_pull_secrets:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ecrec.core.reconcile import Proc
-from ecrec.spec import JobSpec, JobStatus
+from ecrec.spec import CheckpointingStatus, JobSpec, JobStatus
 
 # Which condition types hold in each phase (Created holds from the first pass on).
 PHASE_CONDITIONS = {
@@ -157,16 +157,25 @@ def job_status(
         "replacements": replacements,
         # What a replacement coordinator starts from (docs/protocol.md, Coordinator failover).
         "resume": _without_nulls(c.get("resume")),
+        "checkpointing": _checkpointing(c.get("checkpointing")),
     }
     if not coordinator:
         # Nothing to say about training yet (or the coordinator is momentarily unreachable): keep what was.
-        for key in ("phase", "step", "samplesPerSecond", "recoveries", "reason", "resume"):
+        for key in ("phase", "step", "samplesPerSecond", "recoveries", "reason", "resume", "checkpointing"):
             if previous.get(key) is not None:
                 out[key] = previous[key]
         out["conditions"] = previous.get("conditions") or conditions
         out.pop("servers") if previous.get("servers") else None
     validated = JobStatus.model_validate({k: v for k, v in out.items() if v is not None})
     return validated.to_dict()
+
+
+def _checkpointing(stats: dict | None) -> dict | None:
+    """The coordinator's checkpoint stats as the status schema has them (its interval settings are the spec's)."""
+    if not stats:
+        return None
+    fields = {f.alias for f in CheckpointingStatus.model_fields.values()}
+    return _without_nulls({k: v for k, v in stats.items() if k in fields})
 
 
 def _without_nulls(value: Any) -> Any:

@@ -42,11 +42,6 @@ def cmd_local(args) -> int:
             "'none' (nothing could recover)"
         )
         return 2
-    if ctx.checkpointing and any(target == "coordinator" for target, _at in kills):
-        console.print(
-            "[red]error:[/] coordinator failover is not supported with the checkpoint strategies yet"
-        )
-        return 2
     if args.rebuild_error and not ctx.spec.training.deterministic:
         console.print(
             "[red]error:[/] --rebuild-error needs --set training.deterministic=true (and "
@@ -89,6 +84,12 @@ def cmd_local(args) -> int:
         f"mean {report['samples_per_s']:,.0f} samples/s; eval AUC {report['eval']['auc']:.4f}, "
         f"log-loss {report['eval']['logloss']:.4f}"
     )
+    ref = report["eval"].get("reference")  # data.source movielens100k: LR and FM on the same split
+    if ref:
+        scores = (
+            f"{name.upper()} AUC {r['auc']:.4f}, log-loss {r['logloss']:.4f}" for name, r in ref.items()
+        )
+        console.print(f"reference models on the same split: {'; '.join(scores)}")
     console.print(f"params_sha256 {report['params_sha256']}")
     if "parity_check" in report:
         pc = report["parity_check"]

@@ -229,11 +229,12 @@ class Coordinator:
         self._stop = threading.Event()
         self.ckpt: CheckpointDriver | None = None
         if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
-            if seed is not None:
-                raise Refused("coordinator failover is not supported with the checkpoint strategies yet")
             self.ckpt = CheckpointDriver(self)
         if seed is not None:
             self._restore(seed)
+            if self.ckpt is not None:
+                with self.lock:
+                    self.ckpt.take_over(seed)
 
     # -- failover ----------------------------------------------------------------------------------------
     def resume_state(self) -> dict:
@@ -254,6 +255,7 @@ class Coordinator:
                 ],
                 "recoveries": [r.seed() for r in self.recoveries],
                 "events": p.events[-MAX_SEEDED_EVENTS:],
+                **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
             }
 
     def _restore(self, seed: dict) -> None:

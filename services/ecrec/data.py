@@ -327,8 +327,17 @@ def check_data(spec: JobSpec, lines: int = CHECK_LINES) -> list[str]:
     them: 1 + numDense + one column per table, tab-separated; label 0 or 1; integer counts; hexadecimal
     categorical ids; empty fields allowed. One problem per file at most (its first bad line), each naming
     the file and the line, e.g. `spec.data.paths[0]: day_0.tsv:3: label must be 0 or 1, got '2'`.
-    Synthetic data has nothing to check.
+    For `data.source: movielens100k`, the three MovieLens-100k files must be found (ecrec.movielens); the
+    problem, if any, says how to get them. Synthetic data has nothing to check.
     """
+    if spec.data.source == "movielens100k":
+        from ecrec.movielens import MovieLensNotFound, movielens_dir
+
+        try:
+            movielens_dir()
+        except MovieLensNotFound as e:
+            return [f"spec.data.source: {e}"]
+        return []
     if spec.data.source != "criteo":
         return []
     m = spec.model_config_resolved()
@@ -414,11 +423,15 @@ def make_data_source(
     eval_samples: int = 8192,
     paths: Sequence[str | os.PathLike] | None = None,
 ) -> DataSource:
-    """The data source a job spec names: "synthetic" or "criteo" (TSV `paths`)."""
+    """The data source a job spec names: "synthetic", "criteo" (TSV `paths`) or "movielens100k"."""
     if kind == "synthetic":
         return SyntheticData(table_sizes, num_dense, zipf_exponent, seed=seed, eval_samples=eval_samples)
     if kind == "criteo":
         if not paths:
             raise ValueError("data source 'criteo' needs at least one TSV path")
         return CriteoFileData(paths, table_sizes, num_dense, seed=seed, eval_samples=eval_samples)
-    raise ValueError(f"unknown data source kind {kind!r}: expected 'synthetic' or 'criteo'")
+    if kind == "movielens100k":
+        from ecrec.movielens import MovieLensData  # pyarrow and the files only for this source
+
+        return MovieLensData(table_sizes, num_dense, seed=seed, eval_samples=eval_samples)
+    raise ValueError(f"unknown data source kind {kind!r}: expected 'synthetic', 'criteo' or 'movielens100k'")

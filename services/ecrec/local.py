@@ -486,7 +486,8 @@ def run_local(
         try:
             if ctx.ecrec:
                 _wait_settled(client, ctx.spec.fault_tolerance.ecrec.txn_timeout_seconds)
-            ev = evaluate(client, data_source(ctx).eval_batches(4096))
+            data = data_source(ctx)
+            ev = evaluate(client, data.eval_batches(4096))
             digest = client.params_sha256()
             if ctx.ecrec:
                 extra["parity_check"] = client.parity_check()
@@ -520,6 +521,13 @@ def run_local(
         extra["fault"] = {"point": fault, "fired": fired.exists()}
     if rebuild_error:
         extra["rebuild_error"] = rebuild.measure(ctx, out_dir / "rebuild-error", progress=progress)
+    evaluation = {"auc": ev["auc"], "logloss": ev["logloss"], "samples": ev["samples"]}
+    # Logistic regression and a factorization machine on the same split: a bar for the DLRM's numbers.
+    from ecrec.reference import reference_for_job
+
+    reference = reference_for_job(spec, data)
+    if reference:
+        evaluation["reference"] = reference
     return {
         **extra,
         "job": ctx.name,
@@ -527,7 +535,7 @@ def run_local(
         "samples": status["samples"],
         "elapsed_s": status["elapsedSeconds"],
         "throughput_series": status["throughputSeries"],
-        "eval": {"auc": ev["auc"], "logloss": ev["logloss"], "samples": ev["samples"]},
+        "eval": evaluation,
         "params_sha256": digest,
         "events": [{k: v for k, v in e.items() if k != "wall"} for e in status["events"]],
         "spec": spec.to_dict(),

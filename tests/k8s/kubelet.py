@@ -36,7 +36,10 @@ Pending forever. `TestKubelet` registers the node `ecrec-local-0` (capacity: thi
   node carries the label `chaos.ecrec.dev/pause-annotation=true` to say it honours the annotation.
 - **volumes**: emptyDir, configMap and secret volumes are written under the pod's directory; since processes
   cannot get a mount namespace here, every `mountPath` (with subPath) that appears as a path in command, args
-  or env values is rewritten to that directory. Other volume types fail the pod (UnsupportedVolume).
+  or env values is rewritten to that directory. A persistentVolumeClaim volume is one directory per claim,
+  `persistentvolumes/<ns>_<claim>/`, shared by every pod that mounts it and kept when they go (the stand-in
+  for a ReadWriteMany volume; there is no PV controller: the claim must exist, its phase is not looked at; the
+  pod waits in ContainerCreating until it does). Other volume types fail the pod (UnsupportedVolume).
   ConfigMap/Secret updates are not propagated after the pod started.
 - **service-account credentials**: the API server runs without the ServiceAccount admission plugin, so no pod
   gets the `kube-api-access` volume. Unless `automountServiceAccountToken: false` (pod or ServiceAccount),
@@ -344,6 +347,7 @@ class Container:
 BACKOFF_START, BACKOFF_MAX, BACKOFF_RESET_AFTER = 0.5, 10.0, 10.0
 SA_VOLUME, SA_MOUNT = "kube-api-access", "/var/run/secrets/kubernetes.io/serviceaccount"
 SA_TOKEN_SECONDS = 86400
+VOLUME_KINDS = ("emptyDir", "configMap", "secret", "persistentVolumeClaim")
 
 
 # ------------------------------------------------------------------------------------------- pod worker --
@@ -449,9 +453,9 @@ class PodWorker(threading.Thread):
             self._fail(PodFails("ErrImagePull", msg), unknown)
             return
         for v in self.pod["spec"].get("volumes") or []:
-            if not any(k in v for k in ("emptyDir", "configMap", "secret")):
+            if not any(k in v for k in VOLUME_KINDS):
                 kind = next((k for k in v if k != "name"), "?")
-                msg = f"volume {v['name']} ({kind}): the test kubelet supports emptyDir, configMap and secret"
+                msg = f"volume {v['name']} ({kind}): the test kubelet supports {', '.join(VOLUME_KINDS)}"
                 self._fail(PodFails("UnsupportedVolume", msg), self.inits + self.mains)
                 return
 
@@ -813,13 +817,31 @@ class PodWorker(threading.Thread):
                             return str(cp["containerPort"])
         return str(port)
 
+    def _volume_dir(self, name: str) -> Path:
+        """Where volume `name` lives here: under the pod's directory, or a claim's directory shared by pods."""
+        for v in self.pod["spec"].get("volumes") or []:
+            if v["name"] == name and "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                return self.kl.out_dir / "persistentvolumes" / f"{self.ns}_{claim}"
+        return self.vol_dir / name
+
     def _make_volumes(self) -> None:
-        """Writes emptyDir/configMap/secret volumes under vol_dir (once, when the pod starts)."""
+        """Writes emptyDir/configMap/secret volumes under vol_dir (once, when the pod starts); finds claims."""
         volumes = self.pod["spec"].get("volumes") or []
         if not volumes:
             return
         shutil.rmtree(self.vol_dir, ignore_errors=True)
         for v in volumes:
+            if "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                try:
+                    self.kl.call(self.kl.core.read_namespaced_persistent_volume_claim, claim, self.ns)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+                    raise NotYet(f'persistentvolumeclaim "{claim}" not found') from None
+                self._volume_dir(v["name"]).mkdir(parents=True, exist_ok=True)
+                continue
             d = self.vol_dir / v["name"]
             d.mkdir(parents=True, exist_ok=True)
             if "emptyDir" in v:
@@ -906,7 +928,7 @@ class PodWorker(threading.Thread):
         local = {}
         for vm in mounts:
             mp = vm["mountPath"].rstrip("/") or "/"
-            local[mp] = str(self.vol_dir / vm["name"] / vm.get("subPath", "")).rstrip("/")
+            local[mp] = str(self._volume_dir(vm["name"]) / vm.get("subPath", "")).rstrip("/")
         pattern = "|".join(re.escape(p) for p in sorted(local, key=len, reverse=True))
         return re.sub(rf"(?<![-\w./])({pattern})(?=/|$|[^-\w.])", lambda m: local[m.group(1)], text)
 

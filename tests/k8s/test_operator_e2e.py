@@ -186,12 +186,28 @@ def test_an_invalid_spec_fails_with_the_reason_and_creates_nothing(kube, operato
     status = wait_failed(kube, name)
     assert "k + r" in status["reason"] or "servers" in status["reason"], status
     assert pods(kube, f"ecrec.dev/job={name}") == []
-    # A strategy the operator cannot run yet (the checkpoint baselines need a shared volume) is refused the
-    # same way, with the reason, before any pod exists.
+    # A checkpoint strategy without the volume claim its checkpoints go to (a rule of Kubernetes alone: the
+    # schema cannot say it) is refused the same way, with the reason, before any pod exists.
     name = "e2e-ckpt"
     kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"faultTolerance.strategy": "checkpoint"}))
     status = wait_failed(kube, name)
-    assert "not supported on Kubernetes yet" in status["reason"], status
+    assert "faultTolerance.checkpoint.volumeClaim: required on Kubernetes" in status["reason"], status
+    assert pods(kube, f"ecrec.dev/job={name}") == []
+
+
+def test_a_malformed_data_file_fails_the_job_with_one_line_before_any_pod_starts(kube, operator, tmp_path):
+    # The operator reads the job's data too (for the final checks): it looks at the first lines of each file
+    # before it creates anything, so a bad file is one line in the status, not a worker's traceback.
+    good = "\t".join(["1", *["3"] * 13, *["a1"] * 4])  # the tiny model: 13 dense features, 4 tables
+    data = tmp_path / "day_0.tsv"
+    data.write_text(f"{good}\n{good}\n2{good[1:]}\n")
+    name = "e2e-bad-data"
+    spec = {"data.source": "criteo", "data.paths": [str(data)]}
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **spec))
+    status = wait_failed(kube, name)
+    assert status["reason"] == f"spec.data.paths[0]: {data}:3: label must be 0 or 1, got '2'", status
+    [failed] = [c for c in status["conditions"] if c["type"] == "Failed"]
+    assert failed["reason"] == "ECRecJobInvalidData", failed
     assert pods(kube, f"ecrec.dev/job={name}") == []
 
 

@@ -138,7 +138,8 @@ class CheckpointCycle:
     def started(self, now: float) -> list[Act]:
         """Training started (every worker and server registered)."""
         self.last_end = now
-        self._arm()
+        if self.phase is Phase.TRAINING:  # (a successor whose seed predates the start may be rolling back)
+            self._arm()
         return []
 
     def report(
@@ -203,6 +204,44 @@ class CheckpointCycle:
         elif self.phase in (Phase.PAUSING, Phase.WRITING):
             self.phase = Phase.TRAINING
         return self._advance()
+
+    def taken_over(
+        self,
+        last: Committed | None,
+        last_hot: int | None,
+        generation: int,
+        now: float,
+        failed: tuple[int, ...] = (),
+        registered: tuple[int, ...] = (),
+    ) -> list[Act]:
+        """This cycle belongs to a successor coordinator (failover, `generation` > 1), which starts from the
+        store's newest committed checkpoint (`last`, and cpr's newest hot-row save over it). What the dead one
+        had in flight is abandoned: a checkpoint being written is never committed (its files stay behind), and
+        its ids and rollback generations are left behind too — this one's start above every id an earlier
+        coordinator could have published ((generation - 1) * 2**20), so nothing it asks for is mistaken for
+        an earlier request. A rollback strategy rolls back to `last` at once: whether a rollback or a
+        checkpoint was under way cannot be known, and the rollback is the strategy's one way back to a
+        consistent cut. cpr trains on. The first checkpoint after it is a full one (checknrun's record of
+        the rows changed since its baseline may be of an abandoned checkpoint). `failed`: shards lost when it
+        took over, of which `registered` have a replacement (their failures were counted before)."""
+        floor = (generation - 1) << 20
+        self.next_id = max(self.next_id, floor + 1)
+        self.last, self.last_hot, self.last_end = last, last_hot, now
+        self.last_baseline, self.sizes = None, []
+        self.pending = self.persisting = self.hot_pending = None
+        self.pending_final, self.pause_at = False, None
+        self.failed, self.restoring = set(failed), set()
+        acts: list[Act] = []
+        if self.rolls_back:
+            self.rollback = max(self.rollback, floor) + 1
+            self.rollbacks += 1
+            self.phase = Phase.STOPPING
+        else:
+            self.phase = Phase.TRAINING
+            self._arm()
+        for shard in registered:
+            acts += self.registered(shard)
+        return acts + self._advance()
 
     def registered(self, shard: int) -> list[Act]:
         """A replacement for `shard` registered: it can load its checkpoint."""

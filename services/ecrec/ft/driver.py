@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ecrec import auth
-from ecrec.core.checkpointing import Act, CheckpointCycle, cpr_interval
+from ecrec.core.checkpointing import Act, CheckpointCycle, Committed, cpr_interval
 from ecrec.core.cluster import ShardState
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ class CheckpointDriver:
         )
         self.store = ManifestStore.for_job(coord.job)
         self.num_rows = sum(spec.model_config_resolved().table_sizes)
-        self.store.clear()  # generation 1 (failover is refused): this run starts from nothing
+        if coord.generation == 1:
+            self.store.clear()  # this run starts from nothing; a successor starts from what is there (take_over)
         # One daemon thread runs the acts in order: a call to a hung server must never keep the coordinator
         # process from exiting (a ThreadPoolExecutor's threads are joined at exit).
         self._acts: queue.Queue[Act | None] = queue.Queue()
@@ -71,6 +72,45 @@ class CheckpointDriver:
             if act.kind == "write" and not act.hot and self._pause_began is None:
                 self._pause_began = time.monotonic()
             self._acts.put(act)
+
+    def take_over(self, seed: dict) -> None:
+        """A successor coordinator: carry on from the newest committed checkpoint in the store, the shards'
+        states as the cluster map was seeded, and the totals of the dead coordinator's last status
+        (docs/protocol.md, "Checkpoint strategies")."""
+        c, store = self.coord, self.store
+        last = last_hot = None
+        ids = store.committed()
+        if ids:
+            doc = store.manifest(ids[-1])
+            if doc.get("hot"):
+                last_hot, doc = ids[-1], store.manifest(int(doc["base"]))
+            progress = {int(p["rank"]): (int(p["step"]), int(p["samples"])) for p in doc["progress"]}
+            last = Committed(int(doc["checkpoint"]), progress, bool(doc["final"]), doc.get("base"))
+        prior = seed.get("checkpointing") or {}
+        self.committed.update(prior.get("committed") or {})
+        self.bytes_written = int(prior.get("bytesWritten") or 0)
+        self.paused_seconds = float(prior.get("pausedSeconds") or 0.0)
+        cycle = self.cycle
+        cycle.rollbacks = int(prior.get("rollbacks") or 0)
+        cycle.steps_redone = int(prior.get("stepsRedone") or 0)
+        cycle.pls = float(prior.get("portionOfLostSamples") or 0.0)
+        now = c.clock()
+        down = [s for s in c.cluster.shards if s.state in (ShardState.FAILED, ShardState.RECOVERING)]
+        acts = cycle.taken_over(
+            last,
+            last_hot,
+            c.generation,
+            now,
+            failed=tuple(s.shard for s in down),
+            registered=tuple(s.shard for s in down if s.state is ShardState.RECOVERING),
+        )
+        c.progress.event(
+            "checkpoints_taken_over",
+            now,
+            checkpoint=last_hot or (last.checkpoint if last else 0),
+            rollback=cycle.rollback if cycle.rolls_back else None,
+        )
+        self.feed(acts)
 
     def stats(self) -> dict:
         """For /v1/status (and so `ecrec local`'s report): what the strategy has cost and lost so far."""

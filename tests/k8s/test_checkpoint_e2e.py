@@ -1,0 +1,138 @@
+"""A checkpoint strategy through the operator: the checkpoints go to a PersistentVolumeClaim mounted into the
+coordinator and server pods (the test kubelet's stand-in for a ReadWriteMany volume: one directory per claim,
+shared by the pods that mount it); a server pod deleted with kubectl is replaced, every shard reloads the last
+checkpoint from the claim and the workers redo the steps since (docs/protocol.md, "Checkpoint strategies")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from .test_operator_e2e import NS, get_job, job_manifest, operator, pods, wait_done, wait_for  # noqa: F401
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+CLAIM = "ecrec-checkpoints"
+STEPS = 1000  # room for a checkpoint, a server's loss, its rollback, then the coordinator's loss
+
+
+def claim_manifest() -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": CLAIM, "namespace": NS},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        }
+    )
+
+
+def test_a_deleted_server_pod_rolls_the_job_back_to_the_checkpoint_on_the_claim(kube, kubelet, operator):  # noqa: F811
+    name = "e2e-ckpt-kill"
+    kube.kubectl("apply", "-f", "-", input=claim_manifest())
+    overrides = {
+        "training.steps": STEPS,
+        "faultTolerance.strategy": "checkpoint",
+        "faultTolerance.checkpoint": {"intervalSteps": 100, "volumeClaim": CLAIM},
+    }
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+
+    def checkpointed():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return (st.get("checkpointing") or {}).get("lastCheckpoint", 0) >= 1
+
+    wait_for("a first checkpoint", checkpointed, timeout=240)
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=2")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+
+    def rolled_back():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        ckpt = st.get("checkpointing") or {}
+        return ckpt.get("rollbacks", 0) >= 1 and st["phase"] == "Running"  # every shard up again
+
+    wait_for("the rollback", rolled_back, timeout=240)
+    # Then the coordinator: its successor takes over from the newest checkpoint on the claim and rolls back
+    # to it (docs/protocol.md, "Checkpoint strategies", Coordinator failover).
+    (coordinator,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator")
+    kube.kubectl("delete", "pod", "-n", NS, coordinator["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name, timeout=600)
+
+    ckpt = status["checkpointing"]
+    assert ckpt["strategy"] == "checkpoint" and ckpt["rollbacks"] >= 2, ckpt
+    assert ckpt["committed"]["full"] >= 2 and ckpt["bytesWritten"] > 0, ckpt
+    assert ckpt["lastCheckpoint"] > 1 << 20, ckpt  # the final one, by the successor (ids above the old ones)
+    assert status["coordinatorIncarnation"] >= 2
+    recs = [r for r in status["recoveries"] if r["shard"] == 2]
+    assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
+    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    # The checkpoints are on the claim, under the job's own directory: the final one records every rank's end.
+    root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "checkpoints"
+    manifests = sorted(root.glob("ckpt-*/manifest.json"))
+    assert manifests, sorted(root.parent.rglob("*"))
+    last = json.loads(manifests[-1].read_text())
+    assert last["final"] and {p["step"] for p in last["progress"]} == {STEPS}, last
+    assert {f["shard"] for f in last["files"]} == set(range(5))
+    events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
+    assert "ReplacementCreated" in events, events
+
+
+def test_a_deleted_server_pod_under_cpr_reloads_only_its_shard_and_training_goes_on(kube, kubelet, operator):  # noqa: F811
+    # CPR through the operator: the replacement loads only its own shard's last checkpoint from the claim;
+    # no rollback, and the samples it lost are counted (status.checkpointing.portionOfLostSamples).
+    name = "e2e-cpr-kill"
+    kube.kubectl("apply", "-f", "-", input=claim_manifest())
+    overrides = {
+        "training.steps": 600,
+        "faultTolerance.strategy": "cpr",
+        "faultTolerance.cpr": {"intervalSteps": 100, "volumeClaim": CLAIM, "path": "cpr"},
+    }
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+
+    def checkpointed():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return (st.get("checkpointing") or {}).get("lastCheckpoint", 0) >= 1 and st.get("step", 0) >= 110
+
+    wait_for("a first checkpoint and some steps after it", checkpointed, timeout=240)
+    refuses_callers_without_the_token(kube, name)
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=1")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name, timeout=600)
+
+    ckpt = status["checkpointing"]
+    assert ckpt["strategy"] == "cpr" and ckpt["rollbacks"] == 0 and ckpt["stepsRedone"] == 0, ckpt
+    assert 0 < ckpt["portionOfLostSamples"] < 1 / 5, ckpt  # at most one interval of one shard's five
+    recs = [r for r in status["recoveries"] if r["shard"] == 1]
+    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
+    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "cpr"
+    assert sorted(root.glob("ckpt-*/manifest.json")), sorted(root.parent.rglob("*"))
+
+
+def refuses_callers_without_the_token(kube, name: str) -> None:
+    """The job's own APIs on its real pods: a caller without the job's token (the Secret the operator made) is
+    refused by the coordinator (401) and by a server (UNAUTHENTICATED), and nothing changes."""
+    import grpc
+    import httpx
+
+    from ecrec import auth
+    from ecrec.proto import ecrec_pb2 as pb
+    from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+    from ecrec_operator import render
+
+    (coordinator,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator")
+    base = f"http://{coordinator['status']['podIP']}:{render.HTTP_PORT}"
+    for headers in ({}, auth.headers("not-the-token")):
+        r = httpx.post(f"{base}/v1/failures", json={"shard": 1}, headers=headers, timeout=10)
+        assert r.status_code == 401, r.text
+    shards = httpx.get(f"{base}/v1/status", timeout=10).json()["cluster"]["shards"]
+    assert all(s["state"] == "up" for s in shards), shards  # the refused report changed nothing
+    (server,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=0")
+    with auth.channel(f"{server['status']['podIP']}:{render.GRPC_PORT}", None) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ParameterServerStub(ch).Info(pb.InfoRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
