@@ -34,6 +34,13 @@ def test_local_job_trains_reports_and_leaves_no_processes(tmp_path):
     served = report["rpcs_served"]
     assert served["Push"] >= 2 * 60 * 2 and served["Pull"] > 0, served
     assert not {"Stage", "Commit", "Delta", "DecideDeltas"} & set(served), served
+    # Each role's CPU seconds from the processes' own counters: workers compute every step, servers serve
+    # every push and pull; per 1,000 samples as the benchmarks print them.
+    cpu = report["cpu"]
+    assert set(cpu["seconds"]) == {"coordinator", "server", "worker"}, cpu
+    assert cpu["seconds"]["worker"] > 0 and cpu["seconds"]["server"] > 0, cpu
+    for role, seconds in cpu["seconds"].items():
+        assert cpu["per_1000_samples"][role] == pytest.approx(1000 * seconds / report["samples"], abs=1e-4)
     assert processes_mentioning(str(tmp_path)) == []
 
 

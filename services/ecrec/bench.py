@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -21,6 +25,55 @@ from ecrec.server import GRPC_OPTIONS
 from ecrec.spec import job_from_dict
 from ecrec.store import ShardStore
 from ecrec.wire import floats_to_bytes, ids_to_bytes
+
+ROLES = ("worker", "server", "coordinator")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a benchmark's table: its header is also its key in summary.json."""
+
+    name: str
+    value: Callable[[dict], Any]
+    fmt: str = "{}"  # how the printed table shows the value (summary.json keeps the number)
+
+
+def emit_table(title: str, columns: list[Column], rows: list[dict], out_dir: Path | None) -> list[dict]:
+    """Print a benchmark's markdown table under its title and the machine, and write the same rows to
+    OUT/summary.json (one object per row, the column headers as keys; NaN as null) for scripts."""
+    summary = [{c.name: _number(c.value(r)) for c in columns} for r in rows]
+    print(title)
+    print(f"# machine: {machine_description()}")
+    print("| " + " | ".join(c.name for c in columns) + " |")
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+    for row in summary:
+        cells = ("—" if row[c.name] is None else c.fmt.format(row[c.name]) for c in columns)
+        print("| " + " | ".join(cells) + " |")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _number(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+def _round(x: float, digits: int | None = None) -> float:
+    """round() that lets NaN through (a window without samples: printed as —, null in summary.json)."""
+    return x if math.isnan(x) else round(x, digits)
+
+
+def cpu_columns() -> list[Column]:
+    """CPU seconds per 1,000 samples trained, by role (the processes' own counters: ecrec.core.cpu)."""
+    return [
+        Column(f"{role} CPU s / 1k samples", lambda r, role=role: r["cpu"][role], "{:.3f}") for role in ROLES
+    ]
+
+
+def _cpu(report: dict) -> dict[str, float]:
+    per = (report.get("cpu") or {}).get("per_1000_samples") or {}
+    return {role: float("nan") if per.get(role) is None else per[role] for role in ROLES}
 
 
 def _bench_ctx(rows: int, dim: int, optimizer: str) -> JobContext:
@@ -60,7 +113,9 @@ def _cycler(pool: list[torch.Tensor]):
     return pick
 
 
-def bench_server(rows: int, dim: int, optimizer: str, batches: list[int], seconds: float) -> list[dict]:
+def bench_server(
+    rows: int, dim: int, optimizer: str, batches: list[int], seconds: float, out_dir: Path | None = None
+) -> list[dict]:
     torch.set_num_threads(1)
     ctx = _bench_ctx(rows, dim, optimizer)
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,22 +173,20 @@ def bench_server(rows: int, dim: int, optimizer: str, batches: list[int], second
         finally:
             proc.terminate()
             proc.wait(timeout=10)
-    print(
+    title = (
         f"# ecrec bench server: {rows:,} rows x dim {dim}, optimizer {optimizer}, record width "
         f"{ctx.record_width} floats"
     )
-    print(f"# machine: {machine_description()}")
-    print(
-        "| batch rows | pull gRPC rows/s | pull in-process rows/s | pull ratio | push gRPC rows/s | "
-        "push in-process rows/s | push ratio |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in results:
-        print(
-            f"| {r['batch']:,} | {r['pull_grpc']:,.0f} | {r['pull_inproc']:,.0f} | "
-            f"{r['pull_grpc'] / r['pull_inproc']:.2f} | {r['push_grpc']:,.0f} | {r['push_inproc']:,.0f} | "
-            f"{r['push_grpc'] / r['push_inproc']:.2f} |"
-        )
+    columns = [
+        Column("batch rows", lambda r: r["batch"], "{:,}"),
+        Column("pull gRPC rows/s", lambda r: _round(r["pull_grpc"]), "{:,}"),
+        Column("pull in-process rows/s", lambda r: _round(r["pull_inproc"]), "{:,}"),
+        Column("pull ratio", lambda r: _round(r["pull_grpc"] / r["pull_inproc"], 3), "{:.2f}"),
+        Column("push gRPC rows/s", lambda r: _round(r["push_grpc"]), "{:,}"),
+        Column("push in-process rows/s", lambda r: _round(r["push_inproc"]), "{:,}"),
+        Column("push ratio", lambda r: _round(r["push_grpc"] / r["push_inproc"], 3), "{:.2f}"),
+    ]
+    emit_table(title, columns, results, out_dir)
     return results
 
 
@@ -213,6 +266,7 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list
                 "elapsed_s": report["elapsed_s"],
                 "auc": report["eval"]["auc"],
                 "rpcs_per_step": rpcs_per_step(report),
+                "cpu": _cpu(report),
             }
         )
         print(
@@ -220,25 +274,24 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list
             flush=True,
         )
     base = rows[0]
-    print(f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}")
-    print(f"# machine: {machine_description()}")
-    print(
-        "| configuration | mean samples/s | steady samples/s | throughput vs No FT (steady) | "
-        "training-time overhead | server RPCs per worker step | eval AUC |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        ratio = r["steady"] / base["steady"] if base["steady"] else float("nan")
-        over = r["elapsed_s"] / base["elapsed_s"] - 1
-        print(
-            f"| {r['case']} | {r['mean']:,.0f} | {r['steady']:,.0f} | {ratio:.2f} | {over:+.1%} | "
-            f"{r['rpcs_per_step']:.1f} | {r['auc']:.4f} |"
-        )
+    columns = [
+        Column("configuration", lambda r: r["case"]),
+        Column("mean samples/s", lambda r: _round(r["mean"]), "{:,}"),
+        Column("steady samples/s", lambda r: _round(r["steady"]), "{:,}"),
+        Column(
+            "throughput vs No FT (steady)",
+            lambda r: _round(r["steady"] / base["steady"], 3) if base["steady"] else float("nan"),
+            "{:.2f}",
+        ),
+        Column(
+            "training-time overhead", lambda r: round(r["elapsed_s"] / base["elapsed_s"] - 1, 4), "{:+.1%}"
+        ),
+        Column("server RPCs per worker step", lambda r: _round(r["rpcs_per_step"], 2), "{:.1f}"),
+        *cpu_columns(),
+        Column("eval AUC", lambda r: r["auc"], "{:.4f}"),
+    ]
+    emit_table(f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}", columns, rows, out_dir)
     return rows
-
-
-def _ratio(x: float) -> str:
-    return "—" if math.isnan(x) else f"{x:.2f}"
 
 
 def load_job_with(path: str, overrides: list[str]):
@@ -283,6 +336,7 @@ def bench_recovery(
                 "during_ratio": during / normal if normal else float("nan"),
                 "rebuild_ratio": rebuild / normal if normal else float("nan"),
                 "parity_mismatches": report["parity_check"]["mismatches"],
+                "cpu": _cpu(report),
             }
             rows.append(row)
             print(
@@ -290,18 +344,18 @@ def bench_recovery(
                 f"(rebuild {row['rebuild_s']:.2f}s), during/normal {row['during_ratio']:.2f}",
                 flush=True,
             )
-    print(f"# ecrec bench recovery: {job} {' '.join(sets)}, server 2 SIGKILLed at {kill_at}s")
-    print(f"# machine: {machine_description()}")
-    print(
-        "| model rows | lock group rows | time to continue | time to full recovery | of which rebuild | "
-        "rows rebuilt | throughput kill→recovered / normal | throughput while rebuilding / normal | "
-        "parity mismatches |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(
-            f"| {r['rows']:,} | {r['group']:,} | {r['continue_s']:.2f} s | {r['full_s']:.1f} s | "
-            f"{r['rebuild_s']:.2f} s | {r['rows_recovered']:,} | {r['during_ratio']:.2f} | "
-            f"{_ratio(r['rebuild_ratio'])} | {r['parity_mismatches']} |"
-        )
+    columns = [
+        Column("model rows", lambda r: r["rows"], "{:,}"),
+        Column("lock group rows", lambda r: r["group"], "{:,}"),
+        Column("time to continue s", lambda r: _round(r["continue_s"], 3), "{:.2f}"),
+        Column("time to full recovery s", lambda r: _round(r["full_s"], 3), "{:.1f}"),
+        Column("of which rebuild s", lambda r: _round(r["rebuild_s"], 3), "{:.2f}"),
+        Column("rows rebuilt", lambda r: r["rows_recovered"], "{:,}"),
+        Column("throughput kill→recovered / normal", lambda r: _round(r["during_ratio"], 3), "{:.2f}"),
+        Column("throughput while rebuilding / normal", lambda r: _round(r["rebuild_ratio"], 3), "{:.2f}"),
+        *cpu_columns(),
+        Column("parity mismatches", lambda r: r["parity_mismatches"]),
+    ]
+    title = f"# ecrec bench recovery: {job} {' '.join(sets)}, server 2 SIGKILLed at {kill_at}s"
+    emit_table(title, columns, rows, out_dir)
     return rows

@@ -222,6 +222,7 @@ def cmd_bench_server(args) -> int:
         optimizer=args.optimizer,
         batches=[int(b) for b in args.batches.split(",")],
         seconds=args.seconds,
+        out_dir=Path(args.out),
     )
     return 0
 
@@ -438,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adagrad")
     p.add_argument("--batches", default="1024,8192,32768")
     p.add_argument("--seconds", type=float, default=3.0, help="measurement time per case")
+    p.add_argument("--out", default="out/bench-server", help="summary.json goes here")
     p.set_defaults(fn=cmd_bench_server)
 
     p = bench.add_parser("overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication, one run")

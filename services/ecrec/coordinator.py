@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from ecrec import auth
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
+from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import RecoveryRecord, plan_recovery
 from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
@@ -49,6 +50,7 @@ class RegisterServer(BaseModel):
     instance: str  # the process's own id, unique per process
     metricsUrl: str = ""
     replacement: bool = False
+    cpuSeconds: float | None = None  # the process's own CPU time so far (ecrec.core.cpu)
 
 
 class Heartbeat(BaseModel):
@@ -60,6 +62,7 @@ class Heartbeat(BaseModel):
     # What a successor coordinator needs to admit a process its seed does not list (a rejoin).
     incarnation: int = 0
     metricsUrl: str = ""
+    cpuSeconds: float | None = None
 
 
 class StartRecovery(BaseModel):
@@ -80,6 +83,7 @@ class RegisterWorker(BaseModel):
     rejoin: bool = False
     step: int = 0
     samples: int = 0
+    cpuSeconds: float | None = None
 
 
 class WorkerLost(BaseModel):
@@ -110,6 +114,7 @@ class Progress(BaseModel):
     degradedReads: dict[int, int] = {}  # failed shard -> rows read by decoding
     degradedWrites: dict[int, int] = {}  # failed shard -> rows updated at their acting home
     rpcLatency: dict[str, RpcLatency] = {}  # method -> its ecrec_rpc_latency_seconds buckets
+    cpuSeconds: float | None = None  # the process's own CPU time so far (ecrec.core.cpu)
 
 
 class ParityCheck(BaseModel):
@@ -220,6 +225,9 @@ class Coordinator:
             generation=generation,
         )
         self.progress = JobProgress(num_workers=spec.workers.replicas)
+        # CPU seconds by role since registration (ecrec.core.cpu); this process's own since it got here.
+        self.cpu = CpuAccount()
+        self.cpu.report("coordinator", "self", time.process_time())
         self.metrics, self.reports = coordinator_metrics(job.name, self.metrics_state, spec.servers.replicas)
         self.probe = probe or functools.partial(probe_server, token=token)
         self.failed_reason: str | None = None
@@ -322,6 +330,7 @@ class Coordinator:
     def register_server(self, req: RegisterServer) -> dict:
         out = self._register_server(req)
         with self.lock:
+            self.cpu.report("server", req.instance, req.cpuSeconds)
             self._maybe_start()
         fault_point("coordinator:server_registered")
         return out
@@ -374,6 +383,8 @@ class Coordinator:
         if rejoin:
             ok = self._rejoin_server(req)
         with self.lock:
+            if ok:
+                self.cpu.report("server", req.instance, req.cpuSeconds)
             return {"ok": ok, "epoch": self.cluster.epoch, "cluster": self.cluster.snapshot()}
 
     def _rejoin_server(self, req: Heartbeat) -> bool:
@@ -502,6 +513,12 @@ class Coordinator:
         return w
 
     def register_worker(self, req: RegisterWorker) -> dict:
+        out = self._register_worker(req)
+        with self.lock:
+            self.cpu.report("worker", req.instance, req.cpuSeconds)
+        return out
+
+    def _register_worker(self, req: RegisterWorker) -> dict:
         with self.lock:
             if not 0 <= req.rank < self.progress.num_workers:
                 raise HTTPException(400, f"worker rank {req.rank} out of range")
@@ -621,6 +638,7 @@ class Coordinator:
                 self.progress.event("worker_responsive", w.heard_at, worker=w.rank, step=req.step)
             delta = max(0, req.samples - w.samples)
             w.step, w.samples, w.loss, w.done, w.error = req.step, req.samples, req.loss, req.done, req.error
+            self.cpu.report("worker", req.instance, req.cpuSeconds)
             m = self.metrics
             m.of(m.samples).inc(delta)
             self.reports.add(req.rank, req.instance, req.degradedReads, req.degradedWrites, latency)
@@ -894,7 +912,12 @@ class Coordinator:
                 "events": list(p.events),
                 "recoveries": [r.to_dict(p.started_at) for r in self.recoveries],
                 **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
+                "cpuSeconds": self._cpu_seconds(),
             }
+
+    def _cpu_seconds(self) -> dict[str, float]:
+        self.cpu.report("coordinator", "self", time.process_time())
+        return self.cpu.by_role()
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def run_ticker(self) -> threading.Thread:

@@ -478,6 +478,7 @@ def run_local(
     try:
         cluster.start(timeout=start_timeout, on_coordinator_lost=lambda: supervisor.reconcile(cluster, None))
         status = _watch(cluster, total, progress, tick)
+        extra["cpu"] = cpu_per_samples(status)  # as training ended: what the roles spent on it
         recoverable = ctx.spec.fault_tolerance.strategy != "none"
         if recoverable:
             _wait_recovered(cluster, supervisor)
@@ -542,6 +543,14 @@ def run_local(
         "machine": machine_description(),
         "logs": str(out_dir / "logs"),
     }
+
+
+def cpu_per_samples(status: dict) -> dict:
+    """CPU seconds by role (the processes' own counters, ecrec.core.cpu) and per 1,000 samples trained."""
+    seconds = status.get("cpuSeconds") or {}
+    samples = status.get("samples") or 0
+    per = {role: round(1000 * s / samples, 4) if samples else None for role, s in seconds.items()}
+    return {"seconds": seconds, "per_1000_samples": per}
 
 
 def rpcs_served(cluster: dict) -> dict[str, int]:

@@ -751,6 +751,7 @@ class CoordinatorLink:
                         "instance": self.instance,
                         "metricsUrl": self.metrics_url,
                         "replacement": replacement,
+                        "cpuSeconds": time.process_time(),
                     },
                 )
                 if r.status_code == 409:
@@ -786,6 +787,7 @@ class CoordinatorLink:
                         # so that a coordinator replacing a dead one can admit this process (a rejoin)
                         "incarnation": self.incarnation,
                         "metricsUrl": self.metrics_url,
+                        "cpuSeconds": time.process_time(),
                     },
                 )
                 r.raise_for_status()

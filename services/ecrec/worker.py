@@ -181,6 +181,7 @@ class CoordinatorLink:
     def register(self, replacement: bool, rejoin: bool = False, step: int = 0, samples: int = 0) -> dict:
         body = {"rank": self.rank, "instance": self.instance, "incarnation": self.incarnation}
         body |= {"replacement": replacement, "rejoin": rejoin, "step": step, "samples": samples}
+        body["cpuSeconds"] = time.process_time()
 
         def call() -> dict:
             r = self.http.post(f"{self.url}/v1/workers/register", json=body)
@@ -275,6 +276,7 @@ class ProgressReporter:
                 "paused": self.paused,
                 "stopped": self.stopped,
                 "resumed": self.resumed,
+                "cpuSeconds": time.process_time(),
             }
         answer = self.link.progress(body | (self.counters() if self.counters is not None else {}))
         if answer.get("control") is not None:

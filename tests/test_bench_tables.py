@@ -1,0 +1,42 @@
+"""The benchmarks' tables (ecrec.bench.emit_table): printed as markdown and written to summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from ecrec.bench import Column, _cpu, _round, cpu_columns, emit_table
+
+
+def test_the_printed_columns_are_the_keys_of_summary_json_and_nan_is_null(tmp_path, capsys):
+    rows = [
+        {"case": "No FT", "steady": 1000.4, "cpu": {"worker": 1.5, "server": 0.5, "coordinator": 0.01}},
+        {"case": "ECRec k=4", "steady": float("nan"), "cpu": _cpu({})},  # too short to have a steady window
+    ]
+    columns = [
+        Column("configuration", lambda r: r["case"]),
+        Column("steady samples/s", lambda r: _round(r["steady"]), "{:,}"),
+        *cpu_columns(),
+    ]
+    summary = emit_table("# title", columns, rows, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert written == summary
+    assert written[0] == {
+        "configuration": "No FT",
+        "steady samples/s": 1000,
+        "worker CPU s / 1k samples": 1.5,
+        "server CPU s / 1k samples": 0.5,
+        "coordinator CPU s / 1k samples": 0.01,
+    }
+    assert written[1]["steady samples/s"] is None and written[1]["worker CPU s / 1k samples"] is None
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# title" and lines[1].startswith("# machine: ")
+    assert lines[2].split(" | ")[1:3] == ["steady samples/s", "worker CPU s / 1k samples"]
+    assert lines[4] == "| No FT | 1,000 | 1.500 | 0.500 | 0.010 |"
+    assert lines[5] == "| ECRec k=4 | — | — | — | — |"
+
+
+def test_cpu_per_role_comes_from_the_report():
+    report = {"cpu": {"per_1000_samples": {"worker": 2.0, "server": 1.0, "coordinator": None}}}
+    cpu = _cpu(report)
+    assert cpu["worker"] == 2.0 and cpu["server"] == 1.0 and math.isnan(cpu["coordinator"])
