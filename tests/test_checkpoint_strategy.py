@@ -181,3 +181,23 @@ def test_a_killed_coordinator_under_cpr_is_replaced_and_training_goes_on(tmp_pat
     [taken] = events(report, "checkpoints_taken_over")
     assert "rollback" not in taken and events(report, "rolled_back") == []
     assert report["samples"] == 200 * 64 and report["eval"]["auc"] > 0.6
+
+
+def test_chaos_under_checknrun_rolls_back_after_every_kill_and_still_ends_bit_identical(tmp_path):
+    # `ecrec local --chaos 2` with Check-N-Run at full precision: two random servers killed one at a time
+    # (the next once the previous is rebuilt); each loss rolls every shard back to the last baseline +
+    # increment, and the replays end where the run without failures does. 600 steps: room for both kills and
+    # their replacements' start-up before training ends.
+    steps = 600
+    ctx = ckpt_ctx(
+        "cnr-chaos", "checknrun", faultTolerance__checknrun__quantizeBits=32, training__steps=steps
+    )
+    report = run_local(ctx, tmp_path, progress=False, chaos=2, seed=4)
+    killed = events(report, "server_killed")
+    assert len(killed) == 2, killed
+    assert len(events(report, "rolled_back")) == 2 and report["checkpointing"]["rollbacks"] == 2
+    assert report["samples"] == steps * 64
+    undisturbed = run_local(
+        make_ctx("none600", **{**DET, "training__steps": steps}), tmp_path / "none", progress=False
+    )
+    assert report["params_sha256"] == undisturbed["params_sha256"]

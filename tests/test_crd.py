@@ -114,7 +114,7 @@ def test_status_schema_has_every_documented_field_and_no_defaults() -> None:
     servers = props["servers"]["properties"]
     assert set(servers) == {"up", "total", "shards"}
     assert set(servers["shards"]["items"]["properties"]) == {"shard", "state", "incarnation", "pod"}
-    assert set(props["replicaStatuses"]["properties"]) == {"server", "worker", "coordinator"}
+    assert set(props["replicaStatuses"]["properties"]) == {"server", "spare", "worker", "coordinator"}
     assert set(props["replicaStatuses"]["properties"]["worker"]["properties"]) == {
         "active",
         "succeeded",
@@ -348,10 +348,12 @@ def test_kubernetes_only_fields_are_listed_and_reset() -> None:
 # -- examples/k8s-small.yaml ----------------------------------------------------------------------------------
 
 
-def test_k8s_small_is_local_small_plus_kubernetes_fields() -> None:
+def test_k8s_small_is_local_small_plus_kubernetes_fields_and_a_warm_spare() -> None:
     k8s, local = load_job(K8S_SMALL), load_job(LOCAL_SMALL)
     assert k8s.name == "k8s-small"
-    assert k8s.spec.without_kubernetes_fields() == local.spec
+    assert k8s.spec.servers.spares == 1 and local.spec.servers.spares == 0
+    plain = k8s.spec.without_kubernetes_fields()
+    assert plain.model_copy(update={"servers": plain.servers.model_copy(update={"spares": 0})}) == local.spec
     s = k8s.spec
     for role in (s.servers, s.workers, s.coordinator):
         assert role.image_pull_policy == "IfNotPresent" and role.resources.requests

@@ -58,6 +58,27 @@ def test_killed_and_rebuilt_server_leaves_parameters_bit_identical(tmp_path, bas
     assert report["params_sha256"] == baseline
 
 
+def test_a_warm_spare_takes_over_a_killed_server_and_a_new_spare_replaces_it(tmp_path, baseline):
+    # servers.spares=1: the spare registered before training; the killed shard is assigned to it at once,
+    # it registers under the shard id and is rebuilt like any replacement, and a new spare is started. No
+    # process of the shard's own is started; the run still ends bit-identical to the one without failure.
+    ctx = det_ctx("spare", servers__spares=1)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, "step:60")])
+    assert_consistent(report)
+    kinds = [e["kind"] for e in report["events"]]
+    [assigned] = [e for e in report["events"] if e["kind"] == "spare_assigned"]
+    [took] = [e for e in report["events"] if e["kind"] == "spare_took_over"]
+    assert assigned["shard"] == took["shard"] == 2 and assigned["instance"] == took["instance"]
+    assert took["instance"].startswith("spare-0-")
+    assert kinds.count("spare_registered") >= 1  # (the one started in its place may come after training)
+    (rec,) = report["recoveries"]
+    assert rec["shard"] == 2 and rec["rows_recovered"] > 0
+    assert report["replacements"] == 1  # the new spare; no server process was started for shard 2
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert "spare-1.log" in logs and "shard 2 (replacement" in (tmp_path / "logs" / "spare-0.log").read_text()
+    assert report["params_sha256"] == baseline
+
+
 def test_kill_during_second_half_of_recovery(tmp_path, baseline):
     # Small lock groups make the rebuild many steps; the replacement dies after its 10th group of 14.
     ctx = det_ctx("kill-recovery", faultTolerance__ecrec__lockGroupRows=64)

@@ -309,3 +309,28 @@ def test_the_status_carries_the_checkpoint_account():
 def test_every_kubernetes_example_runs_on_kubernetes_as_it_is(example):
     job = load_job(str(REPO / "examples" / example), ())
     assert render.kubernetes_problems(job) == []
+
+
+def test_a_spare_pod_is_a_server_without_a_shard_until_it_is_relabelled_as_one():
+    job = k8s_job()
+    pod = render.pod(job, "ns", "spare", 1, 1)
+    meta, (c,) = pod["metadata"], pod["spec"]["containers"]
+    assert meta["name"] == "k8s-small-spare-1-1"
+    assert meta["labels"] == {
+        "ecrec.dev/job": "k8s-small",
+        "ecrec.dev/role": "spare",
+        "ecrec.dev/spare": "1",
+        "ecrec.dev/incarnation": "1",
+    }
+    args = c["args"]
+    assert c["command"] == ["ecrec", "server"] and "--shard" not in args and "--replacement" not in args
+    assert args[args.index("--spare") + 1] == "1" and args[args.index("--instance") + 1] == "$(POD_NAME)"
+    assert args[args.index("--bind") + 1] == f"$(POD_IP):{render.GRPC_PORT}"
+    assert "readinessProbe" not in c  # it serves gRPC only once it has a shard
+    server = render.pod(job, "ns", "server", 0, 1)["spec"]["containers"][0]
+    assert c["image"] == server["image"] and c["resources"] == server["resources"]
+    pod["status"] = {"phase": "Running"}
+    assert render.observe_pod(pod) == Proc("spare", 1, 1, "running", "k8s-small-spare-1-1")
+    # The operator's adopt action merges these labels into the pod: from then on it is shard 3's server.
+    pod["metadata"]["labels"].update(render.labels("k8s-small", "server", 3, 2))
+    assert render.observe_pod(pod) == Proc("server", 3, 2, "running", "k8s-small-spare-1-1")

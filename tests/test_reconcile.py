@@ -206,3 +206,56 @@ def test_an_unresponsive_worker_is_deleted_then_reported_lost_and_replaced():
     ]
     procs = without(running(), "worker", 1) + [Proc("worker", 1, 3, "running", "w1-3")]
     assert reconcile(obs(procs, st)) == []
+
+
+# -- warm spares ---------------------------------------------------------------------------------------------
+
+
+def with_spares(st: dict, *spares: tuple[str, int | None]) -> dict:
+    return {**st, "spares": [{"instance": i, "address": "", "assigned": a} for i, a in spares]}
+
+
+def test_a_job_with_spares_starts_them_once_the_coordinator_answers_and_keeps_them():
+    assert not [a for a in reconcile(obs([], None, num_spares=2)) if a.role == "spare"]  # not before
+    acts = reconcile(obs(running(), status(), num_spares=2))
+    assert acts == [Action("create", "spare", 0, 1), Action("create", "spare", 1, 1)]
+    starting = [Proc("spare", 0, 1, "running", "sp0"), Proc("spare", 1, 1, "pending", "sp1")]
+    assert reconcile(obs(running() + starting, status(), num_spares=2)) == []  # registered or not yet
+    assert reconcile(obs(running() + starting, with_spares(status(), ("sp0", None)), num_spares=2)) == []
+
+
+def test_a_lost_server_is_left_to_an_idle_spare_and_the_spare_is_adopted_then_replaced():
+    spare = Proc("spare", 0, 1, "running", "sp0")
+    procs = without(running(), "server", 1) + [spare]
+    # The launcher saw the death before the coordinator: it reports it, and creates nothing for shard 1.
+    acts = reconcile(obs(procs, with_spares(status(), ("sp0", None)), num_spares=1))
+    assert acts == [Action("report_failed", "server", 1)]
+    # Declared failed and assigned: still nothing; the assigned spare no longer counts as idle, so a new
+    # spare is started (a replacement: counted against the backoff limit).
+    st = with_spares(status(shards={1: {"state": "failed"}}), ("sp0", 1))
+    acts = reconcile(obs(procs, st, num_spares=1))
+    assert acts == [Action("create", "spare", 1, 1, replacement=True)]
+    assert reconcile(obs(procs, st, num_spares=1, replacements=3, backoff_limit=3))[0].kind == "fail"
+    # It registered as shard 1 (incarnation 2): adopted, and its recovery started like any replacement's.
+    st = status(shards={1: {"state": "recovering", "incarnation": 2, "instance": "sp0"}})
+    acts = reconcile(
+        obs(procs + [Proc("spare", 1, 1, "running", "sp1")], with_spares(st, ("sp1", None)), num_spares=1)
+    )
+    assert acts == [Action("adopt", "server", 1, 2, instance="sp0"), Action("start_recovery", "server", 1)]
+
+
+def test_without_an_idle_spare_a_lost_server_gets_its_own_replacement():
+    procs = without(without(running(), "server", 1), "server", 2) + [Proc("spare", 0, 1, "running", "sp0")]
+    st = with_spares(status(shards={1: {"state": "failed"}, 2: {"state": "failed"}}), ("sp0", None))
+    acts = reconcile(obs(procs, st, num_spares=1))
+    # One spare for two lost shards: shard 1 waits for it, shard 2 gets a process of its own.
+    assert Action("create", "server", 2, 2, replacement=True) in acts
+    assert not [a for a in acts if a.kind == "create" and a.role == "server" and a.index == 1]
+    # A dead spare is no spare: both get their own, and a new spare is started.
+    dead = [p for p in procs if p.role != "spare"] + [Proc("spare", 0, 1, "failed", "sp0", 137)]
+    acts = reconcile(obs(dead, st, num_spares=1))
+    assert {(a.role, a.index) for a in acts if a.kind == "create"} == {
+        ("server", 1),
+        ("server", 2),
+        ("spare", 1),
+    }

@@ -834,3 +834,32 @@ def test_sum_code_keeps_parity_within_rounding_and_decodes_close_rows():
     got = Worker(net).pull(rows_of(ctx, S))
     want = twin[S].rows.records[:, : ctx.dim]
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_dense_stage_at_a_replacement_whose_copy_is_not_done_is_refused_at_once(ctx):
+    # The cycle this breaks: the replacement's dense copy waits for the surviving replica's dense stages to
+    # drain, and the worker commits its stage there only once every part of its pass has answered — so a
+    # stage that waited at the replacement for the copy stalled training until a timeout (10 s at every
+    # recovery's start). Refused at once instead, the worker commits the survivor's part, the copy (holding
+    # that step's dense update) completes, and the retried part does not apply the update a second time.
+    net = Net(ctx, wait_timeout=2.0)
+    chunk = 1
+    survivor, lost = ctx.dense_holders(chunk)
+    lo, hi = ctx.dense_bounds[chunk]
+    dense_grad = torch.randn(hi - lo, generator=torch.Generator().manual_seed(3))
+    at_survivor, g1, grads1 = part_at(ctx, survivor, 8, step="s7")
+    net.replace(lost)
+    stage_part(net, survivor, at_survivor.txn, g1, grads1, -1, {chunk: dense_grad}, epoch=net.epoch)
+    at_lost, g2, grads2 = part_at(ctx, lost, 8, step="s7", seed=6)
+    t0 = time.monotonic()
+    with pytest.raises(Busy, match="not copied yet"):
+        net.call(WORKER, lost, "stage", at_lost.txn, g2, grads2, -1, {chunk: dense_grad}, net.epoch)
+    assert time.monotonic() - t0 < 1.0  # not the 2 s wait
+    assert at_lost.txn not in net[lost].rows.staged and at_lost.txn not in net[lost].dense_staged
+    assert net.call(WORKER, survivor, "commit", at_survivor.txn) == "committed"
+    assert net[lost].copy_dense() >= hi - lo  # no longer waits: the survivor's stage drained
+    stage_part(net, lost, at_lost.txn, g2, grads2, -1, {chunk: dense_grad}, epoch=net.epoch)
+    assert net.call(WORKER, lost, "commit", at_lost.txn) == "committed"
+    # Both replicas applied step s7's dense update exactly once.
+    want = ctx.optimizer.apply(Net(ctx)[survivor].dense[chunk], dense_grad.reshape(-1, 1))
+    assert same_bits(net[survivor].dense[chunk], want) and same_bits(net[lost].dense[chunk], want)

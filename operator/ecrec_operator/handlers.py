@@ -231,6 +231,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         replacements=replacements,
         backoff_limit=run_policy.backoff_limit,
         recoverable=job.spec.fault_tolerance.strategy != "none",
+        num_spares=job.spec.servers.spares,
         # After training, servers are kept whole until the final checks have run (then cleanPodPolicy).
         settle_after_finish=True,
         coordinator_incarnation=max(
@@ -320,7 +321,23 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
                 reason="ReplacementCreated",
                 message=f"{action.role} {action.index}: replacement pod {pod['metadata']['name']}",
             )
-        return 1 if action.incarnation > 1 else 0
+        # (a spare started in place of one that took over a shard is a replacement too)
+        return 1 if action.incarnation > 1 or (action.role == "spare" and action.replacement) else 0
+    if action.kind == "adopt":
+        # A warm spare registered as a failed shard: from now on it is that shard's server pod (the labels
+        # are what this operator, `ecrec chaos` and kubectl select by).
+        core.patch_namespaced_pod(
+            action.instance,
+            namespace,
+            {"metadata": {"labels": render.labels(job.name, "server", action.index, action.incarnation)}},
+        )
+        kopf.info(
+            owner,
+            reason="SpareTookOver",
+            message=f"server {action.index}: spare pod {action.instance} took over (incarnation {action.incarnation})",
+        )
+        metrics.pods_created.labels("server", "true").inc()
+        return 0
     if action.kind == "delete":
         pod_name = action.instance
         try:

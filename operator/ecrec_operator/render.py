@@ -29,7 +29,14 @@ import yaml
 from ecrec import auth
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.reconcile import Proc
-from ecrec.podlabels import LABEL_INCARNATION, LABEL_JOB, LABEL_RANK, LABEL_ROLE, LABEL_SHARD, pod_identity
+from ecrec.podlabels import (
+    INDEX_LABELS,
+    LABEL_INCARNATION,
+    LABEL_JOB,
+    LABEL_ROLE,
+    LABEL_SHARD,  # noqa: F401 (the handlers read it as render.LABEL_SHARD)
+    pod_identity,
+)
 from ecrec.spec import Job, JobSpec, ServersSpec
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
@@ -192,10 +199,8 @@ def coordinator_url(job: str, namespace: str) -> str:
 
 def labels(job: str, role: str, index: int | None = None, incarnation: int | None = None) -> dict[str, str]:
     out = {LABEL_JOB: job, LABEL_ROLE: role}
-    if role == "server" and index is not None:
-        out[LABEL_SHARD] = str(index)
-    if role == "worker" and index is not None:
-        out[LABEL_RANK] = str(index)
+    if role in INDEX_LABELS and index is not None:
+        out[INDEX_LABELS[role]] = str(index)
     if incarnation is not None:
         out[LABEL_INCARNATION] = str(incarnation)
     return out
@@ -284,12 +289,18 @@ def pod(
     defaults: PodDefaults | None = None,
     resume: tuple[int, dict] | None = None,
 ) -> dict:
-    """The pod of one process: `role` coordinator | server | worker, `index` its shard id or rank;
+    """The pod of one process: `role` coordinator | server | worker | spare, `index` its shard id, rank or
+    spare index;
     `defaults` None: the process-wide `DEFAULTS`. `resume` (generation, seed): a coordinator that replaces a
     lost one and starts from its predecessor's state (`ecrec.core.reconcile.coordinator_seed`)."""
     d = DEFAULTS if defaults is None else defaults
     spec = job.spec
-    section = {"coordinator": spec.coordinator, "server": spec.servers, "worker": spec.workers}[role]
+    section = {
+        "coordinator": spec.coordinator,
+        "server": spec.servers,
+        "spare": spec.servers,
+        "worker": spec.workers,
+    }[role]
     common = ["--job", "env:ECREC_JOB"]
     if role == "coordinator":
         module = "ecrec.coordinator"
@@ -316,6 +327,16 @@ def pod(
             {"name": "metrics", "containerPort": METRICS_PORT},
         ]
         probe = {"tcpSocket": {"port": GRPC_PORT}, "periodSeconds": 2}
+    elif role == "spare":
+        # A server without a shard until the coordinator assigns it a failed one; then the operator relabels
+        # it (role server, the shard id, its incarnation). It listens on gRPC only from then: no probe.
+        module = "ecrec.server"
+        args = [*common, "--spare", str(index), "--bind", f"$(POD_IP):{GRPC_PORT}", *_member_args(False)]
+        ports = [
+            {"name": "grpc", "containerPort": GRPC_PORT},
+            {"name": "metrics", "containerPort": METRICS_PORT},
+        ]
+        probe = None
     else:
         module = "ecrec.worker"
         args = [*common, "--rank", str(index), "--incarnation", str(incarnation), *_member_args(replacement)]
@@ -338,7 +359,11 @@ def pod(
         env.append({"name": "ECREC_COORDINATOR", "value": coordinator_url(job.name, namespace)})
     container: dict = {
         "name": role,
-        "image": d.images.get(role, section.image) if section.image == SPEC_DEFAULT_IMAGE else section.image,
+        "image": (
+            d.images.get("server" if role == "spare" else role, section.image)
+            if section.image == SPEC_DEFAULT_IMAGE
+            else section.image
+        ),
         "command": ["ecrec", module.rsplit(".", 1)[-1]],  # the images' ENTRYPOINT console script
         "args": args,
         "env": env,

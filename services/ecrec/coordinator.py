@@ -33,6 +33,7 @@ from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
 from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import RecoveryRecord, plan_recovery
+from ecrec.core.spares import SparePool
 from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
 from ecrec.ft.driver import CheckpointDriver
@@ -61,6 +62,15 @@ class Heartbeat(BaseModel):
     recovered: bool = False
     # What a successor coordinator needs to admit a process its seed does not list (a rejoin).
     incarnation: int = 0
+    metricsUrl: str = ""
+    cpuSeconds: float | None = None
+
+
+class SpareIn(BaseModel):
+    """A warm spare's registration and heartbeat (ecrec.core.spares)."""
+
+    instance: str
+    address: str = ""
     metricsUrl: str = ""
     cpuSeconds: float | None = None
 
@@ -227,6 +237,7 @@ class Coordinator:
         self.progress = JobProgress(num_workers=spec.workers.replicas)
         # CPU seconds by role since registration (ecrec.core.cpu); this process's own since it got here.
         self.cpu = CpuAccount()
+        self.spares = SparePool()
         self.cpu.report("coordinator", "self", time.process_time())
         self.metrics, self.reports = coordinator_metrics(job.name, self.metrics_state, spec.servers.replicas)
         self.probe = probe or functools.partial(probe_server, token=token)
@@ -317,6 +328,7 @@ class Coordinator:
                     rec.detected_at = rec.detected_at or tr.at
                 if self.ckpt is not None:
                     self.ckpt.feed(self.ckpt.cycle.failure(tr.shard))
+                self._assign_spares(tr.at)
             elif tr.kind == "replacement_registered" and self.ckpt is not None:
                 self.ckpt.feed(self.ckpt.cycle.registered(tr.shard))
             elif tr.kind == "rejoined" and self.cluster.shards[tr.shard].state is ShardState.RECOVERING:
@@ -331,6 +343,11 @@ class Coordinator:
         out = self._register_server(req)
         with self.lock:
             self.cpu.report("server", req.instance, req.cpuSeconds)
+            if self.spares.taken(req.instance) is not None:
+                self.progress.event("spare_took_over", self.clock(), shard=req.shard, instance=req.instance)
+            elif (spare := self.spares.release(req.shard)) is not None:
+                # another process got there first (a replacement its launcher started): the spare stays one
+                self.progress.event("spare_released", self.clock(), shard=req.shard, instance=spare.instance)
             self._maybe_start()
         fault_point("coordinator:server_registered")
         return out
@@ -433,6 +450,9 @@ class Coordinator:
         with self.lock:
             now = self.clock()
             self._apply(self.cluster.tick(now))
+            for spare in self.spares.expire(now, self.cluster.failure_timeout):
+                self.progress.event("spare_lost", now, instance=spare.instance, shard=spare.assigned)
+            self._assign_spares(now)
             self._check_workers(now)
             if self.ckpt is not None:
                 self.ckpt.feed(self.ckpt.cycle.tick(now))
@@ -444,6 +464,45 @@ class Coordinator:
                 if self.failed_reason:
                     self.progress.event("job_failed", now, reason=self.failed_reason)
                     log.error("job failed: %s", self.failed_reason)
+
+    # -- warm spares (ecrec.core.spares) ------------------------------------------------------------------
+    def _assign_spares(self, now: float) -> None:
+        """Each failed shard gets an idle spare, if there is one; it hears so in its next heartbeat."""
+        if self.finished or self.failed_reason:
+            return
+        failed = [s.shard for s in self.cluster.shards if s.state is ShardState.FAILED]
+        for shard, spare in self.spares.assign(failed, now):
+            self.progress.event("spare_assigned", now, shard=shard, instance=spare.instance)
+            log.info("shard %d: assigned to spare %s", shard, spare.instance)
+
+    def register_spare(self, req: SpareIn) -> dict:
+        with self.lock:
+            if not req.instance:
+                raise Refused("instance: a spare must name itself")
+            if any(s.instance == req.instance for s in self.cluster.shards):
+                raise Refused(f"instance {req.instance} already serves a shard")
+            known = req.instance in self.spares.spares
+            self.spares.register(req.instance, req.address, req.metricsUrl, self.clock())
+            self.cpu.report("server", req.instance, req.cpuSeconds)
+            if not known:
+                self.progress.event("spare_registered", self.clock(), instance=req.instance)
+            self._assign_spares(self.clock())
+            return self._spare_answer(req.instance)
+
+    def spare_heartbeat(self, req: SpareIn) -> dict:
+        with self.lock:
+            spare = self.spares.heartbeat(req.instance, self.clock())
+            if spare is not None:
+                self.cpu.report("server", req.instance, req.cpuSeconds)
+            return self._spare_answer(req.instance)
+
+    def _spare_answer(self, instance: str) -> dict:
+        spare = self.spares.spares.get(instance)
+        return {
+            "registered": spare is not None,
+            "assigned": spare.assigned if spare is not None else None,
+            "finished": self.finished or self.failed_reason is not None,
+        }
 
     def _check_workers(self, now: float) -> None:
         """Mark a training worker silent for longer than the failure timeout unresponsive (hung or paused: a
@@ -723,7 +782,11 @@ class Coordinator:
             raise HTTPException(400, f"shard {shard} out of range")
         if self.ckpt is not None:
             with self.lock:  # the checkpoint cycle restores replacements by itself: this only reports
-                rec = self.open_recovery(shard)
+                # the shard's latest record, never a new one: a request sent before its restore completed must
+                # not open a record that nothing will complete (ecrec local would wait for it forever)
+                rec = next((r for r in reversed(self.recoveries) if r.shard == shard), None)
+                if rec is None:
+                    raise Refused(f"shard {shard} has nothing to recover: it has not failed")
                 if rec.state == "detected" and self.cluster.shards[shard].state is ShardState.RECOVERING:
                     rec.state = "waiting"
                 return rec.to_dict(self.progress.started_at)
@@ -913,6 +976,7 @@ class Coordinator:
                 "recoveries": [r.to_dict(p.started_at) for r in self.recoveries],
                 **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
                 "cpuSeconds": self._cpu_seconds(),
+                "spares": self.spares.snapshot(),
             }
 
     def _cpu_seconds(self) -> dict[str, float]:
@@ -1016,6 +1080,14 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/servers/register")
     def register_server(req: RegisterServer) -> dict:
         return coord.register_server(req)
+
+    @app.post("/v1/spares/register")
+    def register_spare(req: SpareIn) -> dict:
+        return coord.register_spare(req)
+
+    @app.post("/v1/spares/heartbeat")
+    def spare_heartbeat(req: SpareIn) -> dict:
+        return coord.spare_heartbeat(req)
 
     @app.post("/v1/servers/heartbeat")
     def heartbeat(req: Heartbeat) -> dict:

@@ -66,7 +66,7 @@ class Child:
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen | None = None
-    role: str = ""  # coordinator | server | worker
+    role: str = ""  # coordinator | server | worker | spare (a server once adopted)
     index: int = 0  # shard id or rank
     incarnation: int = 1
     instance: str = ""  # the id it registers with at the coordinator
@@ -130,7 +130,7 @@ class LocalCluster:
         self, name: str, module: str, *args: str, role: str = "", index: int = 0, incarnation: int = 1
     ) -> Child:
         instance = f"{name}-{incarnation}-{uuid.uuid4().hex[:6]}"
-        if role in ("server", "worker"):
+        if role in ("server", "worker", "spare"):
             args = (*args, "--instance", instance)
         child = Child(
             name,
@@ -171,6 +171,30 @@ class LocalCluster:
             index=shard,
             incarnation=incarnation,
         )
+
+    def spawn_spare(self, index: int) -> Child:
+        """A warm spare (servers.spares): a server process without a shard until the coordinator assigns one."""
+        return self.spawn(
+            f"spare-{index}",
+            "ecrec.server",
+            "--job",
+            str(self.job_file),
+            "--spare",
+            str(index),
+            "--coordinator",
+            self.coordinator_url,
+            role="spare",
+            index=index,
+        )
+
+    def adopt(self, instance: str, shard: int, incarnation: int) -> None:
+        """The spare `instance` registered as `shard`: from now on it is that shard's server (what --kill and
+        the reconciler address as server-<shard>); its log stays spare-<i>.log."""
+        child = next(c for c in self.history if c.instance == instance)
+        self.children.pop(child.name, None)
+        child.role, child.index, child.incarnation = "server", shard, incarnation
+        child.name = f"server-{shard}"
+        self.children[child.name] = child
 
     def spawn_worker(self, rank: int, incarnation: int = 1, replacement: bool = False) -> Child:
         extra = ["--replacement"] if replacement else []
@@ -273,13 +297,17 @@ class LocalCluster:
         )
 
     def start(self, timeout: float = 120.0, on_coordinator_lost=None) -> None:
-        """Start the coordinator, the servers, and once they registered the workers. `on_coordinator_lost`
+        """Start the coordinator, the servers and spares, and once the servers registered the workers. `on_coordinator_lost`
         replaces a coordinator that dies meanwhile (without it, that fails the start)."""
         self.coordinator_url = f"http://127.0.0.1:{free_port()}"
         coord = self.spawn_coordinator()
         self._wait("the coordinator", lambda: self.get("/healthz")["ok"], timeout, [coord])
         (self.out_dir / "coordinator.url").write_text(self.coordinator_url)
         servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
+        for i in range(
+            self.ctx.spec.servers.spares
+        ):  # started with the servers: ready before they are needed
+            self.spawn_spare(i)
         self._wait(
             "servers to register",
             lambda: self.get("/cluster")["ready"],
@@ -381,12 +409,12 @@ class Supervisor:
             replacements=self.respawns,
             recoverable=ctx.spec.fault_tolerance.strategy != "none",
             settle_after_finish=True,  # the report's checks need every shard whole after training
+            num_spares=ctx.spec.servers.spares,
         )
         for action in reconcile(obs):
             self._do(cluster, action)
 
     def _do(self, cluster: LocalCluster, a: Action) -> None:
-        url = cluster.coordinator_url
         if a.kind == "fail":
             try:  # a process that fails says why to the coordinator first: that is the job's reason
                 reason = cluster.get("/v1/status")["reason"]
@@ -406,22 +434,37 @@ class Supervisor:
             cluster.spawn_server(a.index, a.incarnation, a.replacement)
         elif a.kind == "create" and a.role == "worker":
             cluster.spawn_worker(a.index, a.incarnation, a.replacement)
+        elif a.kind == "create" and a.role == "spare":
+            cluster.spawn_spare(a.index)
+        elif a.kind == "adopt":
+            cluster.adopt(a.instance, a.index, a.incarnation)
         elif a.kind == "delete":
             for c in cluster.history:
                 if c.instance == a.instance:
                     c.proc.kill()
-        elif a.kind == "report_failed":
+        elif a.kind in ("report_failed", "start_recovery", "report_worker_lost"):
+            try:
+                self._tell_coordinator(cluster, a)
+            except httpx.TransportError:
+                # The coordinator died mid-request (or is being replaced): the next pass decides again from
+                # what it observes then, and tells its successor.
+                pass
+        if a.kind == "create" and a.replacement:
+            self.respawns += 1
+
+    @staticmethod
+    def _tell_coordinator(cluster: LocalCluster, a: Action) -> None:
+        url = cluster.coordinator_url
+        if a.kind == "report_failed":
             cluster.http.post(f"{url}/v1/failures", json={"shard": a.index, "reporter": "supervisor"})
         elif a.kind == "start_recovery":
             r = cluster.http.post(f"{url}/recoveries", json={"shard": a.index})
             if r.status_code not in (200, 409):  # 409: not registered yet; asked again next tick
                 r.raise_for_status()
-        elif a.kind == "report_worker_lost":
+        else:
             cluster.http.post(
                 f"{url}/v1/workers/lost", json={"rank": a.index, "instance": a.instance, "replacing": True}
             )
-        if a.kind == "create" and a.replacement:
-            self.respawns += 1
 
 
 def _all_recovered(status: dict) -> bool:

@@ -12,19 +12,22 @@ LABEL_ROLE = "ecrec.dev/role"
 LABEL_SHARD = "ecrec.dev/shard"
 LABEL_RANK = "ecrec.dev/rank"
 LABEL_INCARNATION = "ecrec.dev/incarnation"
+LABEL_SPARE = "ecrec.dev/spare"  # a warm spare's index; once it takes over a shard it is relabelled a server
 
-ROLES = ("coordinator", "server", "worker")
+ROLES = ("coordinator", "server", "worker", "spare")
+INDEX_LABELS = {"server": LABEL_SHARD, "worker": LABEL_RANK, "spare": LABEL_SPARE}
 
 
 def pod_identity(labels: Mapping[str, str] | None) -> tuple[str, int, int] | None:
     """(role, index, incarnation) of one of a job's pods from its labels — index is the shard id of a server,
-    the rank of a worker, 0 for the coordinator — or None when the labels do not name one of its processes."""
+    the rank of a worker, a spare's index, 0 for the coordinator — or None when the labels do not name one of
+    its processes."""
     lab = labels or {}
     role = lab.get(LABEL_ROLE)
     if role not in ROLES:
         return None
     try:
-        index = 0 if role == "coordinator" else int(lab[LABEL_SHARD if role == "server" else LABEL_RANK])
+        index = 0 if role == "coordinator" else int(lab[INDEX_LABELS[role]])
         incarnation = int(lab.get(LABEL_INCARNATION, "1"))
     except (KeyError, ValueError):
         return None

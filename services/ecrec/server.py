@@ -805,6 +805,61 @@ class CoordinatorLink:
             servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
 
 
+def wait_as_spare(
+    url: str,
+    instance: str,
+    interval: float,
+    token: str | None,
+    stop: threading.Event,
+    serving: threading.Event,
+) -> int | None:
+    """A warm spare (servers.spares, ecrec.core.spares): register without a shard and heartbeat until the
+    coordinator assigns one; returns it, or None when the job finished (or this process was told to stop).
+    Everything slow about starting a server (the interpreter, imports, the job) is done before this. Once
+    assigned, a thread goes on heartbeating as the spare until `serving` is set (registered as the shard): a
+    takeover that takes longer than the failure timeout must not look like a dead spare."""
+    http = httpx.Client(timeout=5.0, headers=auth.headers(token))
+    base = url.rstrip("/")
+    path, last_log = "/v1/spares/register", 0.0
+
+    def keep_alive() -> None:
+        while not serving.wait(interval) and not stop.is_set():
+            try:
+                http.post(f"{base}/v1/spares/heartbeat", json={"instance": instance})
+            except httpx.HTTPError:
+                pass
+        http.close()
+
+    while not stop.is_set():
+        try:
+            r = http.post(f"{base}{path}", json={"instance": instance, "cpuSeconds": time.process_time()})
+            r.raise_for_status()
+            body = r.json()
+        except httpx.HTTPError as e:  # no coordinator now (a successor being started): keep asking
+            if time.monotonic() - last_log > 5.0:
+                log.warning("spare: the coordinator did not answer: %s", e)
+                last_log = time.monotonic()
+            stop.wait(interval)
+            continue
+        if body.get("finished"):
+            break
+        if body.get("assigned") is not None:
+            threading.Thread(target=keep_alive, daemon=True, name="spare-keepalive").start()
+            return int(body["assigned"])
+        # a coordinator that does not know this spare (it replaced the one it registered with): again
+        path = "/v1/spares/heartbeat" if body.get("registered") else "/v1/spares/register"
+        stop.wait(interval)
+    http.close()
+    return None
+
+
+def warm_up(ctx: JobContext) -> None:
+    """What a spare does before it waits: run once everything a takeover runs for the first time (lazy
+    imports, torch's first calls, the job's cached shapes) on a throwaway empty store, so that the takeover
+    itself only allocates its shard's tables."""
+    ShardStore(ctx, 0, replacement=True)
+
+
 def expire_forever(store, interval: float, stop: threading.Event) -> None:
     """Settle transactions whose worker went silent (ShardStore.expire), on a thread of its own: settling
     calls peers and the coordinator with long timeouts, and must never hold up the heartbeats."""
@@ -818,7 +873,13 @@ def expire_forever(store, interval: float, stop: threading.Event) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="ecrec-server")
     ap.add_argument("--job", required=True, help="job JSON file ({name, spec}), or env:VAR")
-    ap.add_argument("--shard", type=int, required=True)
+    ap.add_argument("--shard", type=int, help="shard id (required unless --spare)")
+    ap.add_argument(
+        "--spare",
+        type=int,
+        metavar="INDEX",
+        help="start as warm spare INDEX: no shard until the coordinator assigns a failed one (servers.spares)",
+    )
     ap.add_argument("--coordinator", default="", help="coordinator base URL")
     ap.add_argument("--standalone", action="store_true", help="serve without a coordinator (benchmarks)")
     ap.add_argument(
@@ -832,14 +893,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--metrics-addr", default="127.0.0.1")
     ap.add_argument("--instance", default="", help="this process's id (default: a new random one)")
     args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s server-{args.shard} %(levelname)s %(message)s"
-    )
+    if (args.shard is None) == (args.spare is None):
+        ap.error("exactly one of --shard and --spare is required")
+    if args.spare is not None and not args.coordinator:
+        ap.error("--spare needs --coordinator")
+    name = f"server-{args.shard}" if args.spare is None else f"spare-{args.spare}"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    faults.configure(f"server-{args.shard}")
     ctx = JobContext.load(args.job)
     torch.set_num_threads(ctx.spec.servers.threads)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    args.instance = args.instance or new_instance()
+    serving = threading.Event()  # registered as its shard (a spare's keep-alive stops then)
+    if args.spare is not None:
+        warm_up(ctx)
+        log.info("spare %d (%s): ready, waiting for a failed shard", args.spare, args.instance)
+        interval = min(0.25, max(0.05, ctx.spec.coordinator.heartbeat_interval_seconds / 4))
+        shard = wait_as_spare(args.coordinator, args.instance, interval, ctx.token, stop, serving)
+        if shard is None:
+            log.info("spare %d: the job finished without needing it", args.spare)
+            return
+        log.info("spare %d: taking over shard %d", args.spare, shard)
+        args.shard, args.replacement = shard, True
+    faults.configure(f"server-{args.shard}")
     t0 = time.perf_counter()
     metrics = Metrics(ctx.name, "server", str(args.shard))
     view = ClusterView(args.coordinator if not args.standalone else "", token=ctx.token)
@@ -850,7 +929,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     metrics.registry.register(StoreCollector(store, metrics.labels))
     metrics_port = metrics.serve(args.metrics_port, args.metrics_addr)
-    servicer = ParameterServicer(store, metrics, view, instance=args.instance or new_instance())
+    servicer = ParameterServicer(store, metrics, view, instance=args.instance)
     server, port = start_grpc(servicer, args.bind, token=ctx.token)
     host = args.bind.rsplit(":", 1)[0]
     address = args.advertise or f"{host}:{port}"
@@ -864,9 +943,6 @@ def main(argv: list[str] | None = None) -> None:
         time.perf_counter() - t0,
         address,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     if not args.standalone:
         if not args.coordinator:
             ap.error("--coordinator is required unless --standalone")
@@ -886,6 +962,7 @@ def main(argv: list[str] | None = None) -> None:
             log.error("%s", e)
             server.stop(grace=0)
             raise SystemExit(2) from e
+        serving.set()
         view.update(body["cluster"])
         store.epoch = int(body["epoch"])
         threading.Thread(target=link.heartbeat_forever, args=(servicer, stop), daemon=True).start()

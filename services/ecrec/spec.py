@@ -354,6 +354,13 @@ class ServersSpec(_Section):
     """Parameter servers (one per shard id)."""
 
     replicas: PosInt = Field(default=3, description="Number of servers N (shard ids 0..N-1)")
+    spares: int = Field(
+        default=0,
+        ge=0,
+        description="Warm spares: server processes (pods) kept started and registered but empty; a failed "
+        "shard is taken over by one at once, so a full recovery is the rebuild alone, and a new spare is "
+        "started in its place",
+    )
     threads: PosInt = Field(default=1, description="Torch threads per server process")
     image: Image
     image_pull_policy: ImagePullPolicy
@@ -660,6 +667,8 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
         out.append(
             f"spec.workers.replicas: deterministic training needs exactly 1 worker, got {s.workers.replicas}"
         )
+    if s.servers.spares and s.fault_tolerance.strategy == "none":
+        out.append("spec.servers.spares: strategy none rebuilds no server: a spare would never be used")
     if s.data.source == "criteo" and not s.data.paths:
         out.append("spec.data.paths: source criteo needs at least one Criteo-format TSV file")
     if s.data.source == "movielens100k":
@@ -958,6 +967,9 @@ class ReplicaStatuses(_Status):
     """Pod counts per role."""
 
     server: ReplicaStatus | None = Field(default=None, description="Parameter-server pods")
+    spare: ReplicaStatus | None = Field(
+        default=None, description="Warm spare pods (servers.spares) not yet used"
+    )
     worker: ReplicaStatus | None = Field(default=None, description="Worker pods")
     coordinator: ReplicaStatus | None = Field(default=None, description="Coordinator pod")
 

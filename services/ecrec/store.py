@@ -783,10 +783,17 @@ class ShardStore:
             for c in dense:
                 if epoch and epoch < self.dense_min_epoch.get(c, 0):
                     raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
-            self._wait(
-                lambda: all(self.dense_ready[c] and c not in self.dense_copying for c in dense),
-                "dense chunk being copied",
-            )
+            if not all(self.dense_ready[c] for c in dense):
+                # A replacement whose copy of the chunk is not here yet: refused at once, never waited for.
+                # The copy waits for the surviving replica's dense stages to drain, and the worker commits
+                # its stage there only once every part of the pass has answered: waiting here would close
+                # a cycle that only a txnTimeout breaks (a 10 s stall at every recovery's start). The worker
+                # retries the part on its next pass, when the copy (which holds this step's dense update
+                # once the surviving replica committed it) is done.
+                raise Busy(
+                    f"dense chunk {sorted(c for c in dense if not self.dense_ready[c])} not copied yet"
+                )
+            self._wait(lambda: all(c not in self.dense_copying for c in dense), "dense chunk being copied")
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn")
             # A step whose dense update the copy from the surviving replica already contains is not

@@ -331,3 +331,47 @@ def test_a_deleted_coordinator_pod_is_replaced_and_training_goes_on(kube, operat
     assert status["startTime"] == before["startTime"]
     # No server or worker was replaced: they carried on and rejoined the new coordinator.
     assert status["replacements"] == 1
+
+
+def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_started(kube, operator):
+    # servers.spares=1: a spare pod registers with the coordinator; when a server pod is deleted the
+    # coordinator assigns its shard to the spare, which registers under that shard id and is rebuilt; the
+    # operator relabels it as the shard's server (role, shard, incarnation) and starts a new spare. No pod of
+    # the shard's own is created.
+    from ecrec_operator import render
+
+    name, shard = "e2e-spare", 1
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"servers.spares": 1, "training.steps": 800}))
+
+    def spare_registered():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        (coordinator,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator") or [None]
+        if st.get("step", 0) < 20 or coordinator is None or not coordinator["status"].get("podIP"):
+            return False
+        url = f"http://{coordinator['status']['podIP']}:{render.HTTP_PORT}/v1/status"
+        return bool(httpx.get(url, timeout=10).json().get("spares"))
+
+    wait_for("training to run with the spare registered", spare_registered, timeout=240)
+    (spare,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=spare")
+    assert spare["metadata"]["name"] == f"{name}-spare-0-1"
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name, timeout=420)
+
+    recs = [r for r in status["recoveries"] if r["shard"] == shard]
+    assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
+    assert status["parityCheck"]["mismatches"] == 0 and status["step"] == status["totalSteps"]
+    # The spare pod is shard 1's server now; a new spare took its place; no server-1-2 pod was made.
+    (holder,) = [
+        p
+        for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+    assert holder["metadata"]["name"] == f"{name}-spare-0-1", holder["metadata"]
+    assert holder["metadata"]["labels"]["ecrec.dev/incarnation"] == "2"
+    names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name}")}
+    assert f"{name}-spare-1-1" in names and f"{name}-server-{shard}-2" not in names, names
+    assert status["replacements"] == 1, status  # the new spare
+    events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
+    assert "SpareTookOver" in events and "ReplacementCreated" in events, events

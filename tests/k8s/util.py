@@ -29,7 +29,8 @@ def wait_for(what: str, fn, timeout: float, every: float = 0.3):
 
 
 def job_manifest(name: str, namespace: str, **spec_overrides) -> str:
-    """examples/k8s-small.yaml with the tiny model and 500 steps; `spec_overrides` as dotted paths."""
+    """examples/k8s-small.yaml with the tiny model, 500 steps and no spare; `spec_overrides` as dotted
+    paths."""
     doc = yaml.safe_load((REPO / "examples/k8s-small.yaml").read_text())
     doc["metadata"] = {"name": name, "namespace": namespace}
     spec = doc["spec"]
@@ -38,6 +39,9 @@ def job_manifest(name: str, namespace: str, **spec_overrides) -> str:
     # Deleted pods are reported at once (the operator's pod events); the timeout is for hung ones. Every
     # heartbeat crosses the test kubelet's Service proxy on a loaded machine: give it room.
     spec["coordinator"].update({"heartbeatIntervalSeconds": 0.5, "failureTimeoutSeconds": 10})
+    # Without the example's warm spare: these tests follow a lost server's own replacement pod (a spare's
+    # takeover has its own test, test_operator_e2e.py::test_a_warm_spare_pod_takes_over...).
+    spec["servers"]["spares"] = 0
     for path, value in spec_overrides.items():
         node = spec
         *parents, leaf = path.split(".")

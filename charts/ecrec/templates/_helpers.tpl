@@ -71,10 +71,11 @@ the namespaced ones go into a Role per watched namespace when watchNamespaces is
 - apiGroups: [ecrec.dev]
   resources: [ecrecjobs/status]
   verbs: [get, patch]
-# The job's processes: created, watched (an index and an event handler), deleted when lost or finished.
+# The job's processes: created, watched (an index and an event handler), deleted when lost or finished;
+# a warm spare's labels patched when it takes over a shard.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
+  verbs: [get, list, watch, create, delete, patch]
 - apiGroups: [""]
   resources: [services]
   verbs: [create]

@@ -20,6 +20,10 @@ observed now, so they are idempotent under duplicate events and correct after th
   with an error of its own (exit code 1-127) fails the job with that reason instead;
 - a worker the coordinator declares unresponsive (silent for the failure timeout) whose process is still there
   is deleted; then, like any lost worker, it is reported lost and replaced under its rank;
+- warm spares (`servers.spares`): that many spare processes are kept idle; a failed shard for which the
+  coordinator has assigned a live spare, or which an idle one can still take, gets no new process of its
+  own; a spare that registered as a shard is adopted as that shard's server (the launcher relabels it:
+  role server, its shard id and incarnation) and a new spare is started in its place;
 - a coordinator whose process is gone is replaced by the next incarnation, started from the launcher's last
   copy of its state (`coordinator_seed`); nothing else is decided until it answers;
 - without a recoverable strategy a lost server fails the job;
@@ -33,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["coordinator", "server", "worker"]
+Role = Literal["coordinator", "server", "worker", "spare"]
 ProcState = Literal["pending", "running", "succeeded", "failed", "deleting"]
 LIVE: tuple[str, ...] = ("pending", "running")
 
@@ -43,7 +47,7 @@ class Proc:
     """One observed pod or process."""
 
     role: Role
-    index: int  # shard id (server), rank (worker), 0 (coordinator)
+    index: int  # shard id (server), rank (worker), spare index (spare), 0 (coordinator)
     incarnation: int  # 1 for the first process of this role and index, +1 for each replacement
     state: ProcState
     instance: str = ""  # the id it registers with at the coordinator
@@ -68,16 +72,19 @@ class Observed:
     # The latest coordinator incarnation the launcher created (0: none yet). A pod, once deleted, is gone from
     # what is observed; this says a coordinator existed, so its successor must take over, not start afresh.
     coordinator_incarnation: int = 0
+    num_spares: int = 0  # servers.spares
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: Literal["create", "delete", "report_failed", "start_recovery", "report_worker_lost", "fail"]
+    kind: Literal[
+        "create", "delete", "report_failed", "start_recovery", "report_worker_lost", "fail", "adopt"
+    ]
     role: Role | None = None
     index: int = 0
     incarnation: int = 0
     replacement: bool = False  # create: a server that starts empty, or a worker that resumes
-    instance: str = ""  # delete / report_worker_lost: which process
+    instance: str = ""  # delete / report_worker_lost / adopt: which process
     reason: str = ""
 
 
@@ -120,6 +127,7 @@ def reconcile(obs: Observed) -> list[Action]:
     shards = {int(s["shard"]): s for s in status.get("cluster", {}).get("shards", [])}
     recoveries = _open_recoveries(status.get("recoveries", []))
     seen = obs.status is not None
+    covered = _spares(plan, obs, by, shards, status, seen)
     for s in range(obs.num_servers):
         procs = by.get(("server", s), [])
         if not obs.recoverable and procs and not any(p.live for p in procs):
@@ -131,7 +139,7 @@ def reconcile(obs: Observed) -> list[Action]:
                     reason=f"server {s} was lost and the job's strategy cannot rebuild it",
                 )
             ]
-        _server(plan, s, procs, shards.get(s), recoveries.get(s), seen)
+        _server(plan, s, procs, shards.get(s), recoveries.get(s), seen, s in covered)
     if phase == "Succeeded":
         return plan.actions  # training is over: no worker is needed any more
     workers = {int(w["rank"]): w for w in status.get("workers", [])}
@@ -192,7 +200,58 @@ def _next(procs: list[Proc], known: int = 0) -> int:
     return max([known, *(p.incarnation for p in procs)]) + 1
 
 
-def _server(plan: _Plan, s: int, procs: list[Proc], shard: dict | None, recovery: str | None, seen: bool):
+def _spares(plan: _Plan, obs: Observed, by: dict, shards: dict, status: dict, seen: bool) -> set[int]:
+    """Adopt the spares that registered as a shard, keep `num_spares` idle ones, and return the failed shards
+    a spare covers (assigned to it, or to be: an idle registered spare per failed shard)."""
+    spares = [p for p in obs.procs if p.role == "spare"]
+    if not spares and not obs.num_spares:
+        return set()
+    holders = {s.get("instance"): (i, int(s.get("incarnation", 0))) for i, s in shards.items()}
+    pool = {sp["instance"]: sp.get("assigned") for sp in status.get("spares", [])}
+    idle, covered = 0, set()
+    for p in spares:
+        if not p.live:
+            continue
+        if p.instance in holders:  # it registered as a shard: from now on that shard's server
+            shard, incarnation = holders[p.instance]
+            plan.actions.append(Action("adopt", "server", shard, incarnation, instance=p.instance))
+            by.setdefault(("server", shard), []).append(
+                Proc("server", shard, incarnation, p.state, p.instance, p.exit_code)
+            )
+        elif pool.get(p.instance) is not None:
+            covered.add(int(pool[p.instance]))
+        elif p.instance in pool:
+            idle += 1
+    # Shards without a live process (failed, or about to be: the launcher may see a death first) and no
+    # spare yet: the coordinator gives each an idle spare once it has declared it failed.
+    lost = sorted(
+        i
+        for i, s in shards.items()
+        if s.get("state") != "pending"
+        and i not in covered
+        and not any(p.live for p in by.get(("server", i), []))
+    )
+    covered.update(lost[:idle])
+    # Spares to start: as many as are wanted and not already waiting (registered or still starting).
+    waiting = sum(1 for p in spares if p.live and p.instance not in holders and pool.get(p.instance) is None)
+    if seen and status.get("phase") not in ("Succeeded", "Failed"):
+        nxt = max((p.index for p in spares), default=-1) + 1
+        for i in range(nxt, nxt + max(0, obs.num_spares - waiting)):
+            plan.actions.append(Action("create", "spare", i, 1, replacement=i >= obs.num_spares))
+            if i >= obs.num_spares:  # the initial spares are not replacements; the ones after are
+                plan.created += 1
+    return covered
+
+
+def _server(
+    plan: _Plan,
+    s: int,
+    procs: list[Proc],
+    shard: dict | None,
+    recovery: str | None,
+    seen: bool,
+    covered: bool = False,
+):
     live = [p for p in procs if p.live]
     state = (shard or {}).get("state", "pending")
     registered = (shard or {}).get("instance", "")
@@ -204,6 +263,8 @@ def _server(plan: _Plan, s: int, procs: list[Proc], shard: dict | None, recovery
             return  # what the coordinator knows decides whether this is a first start or a replacement
         if state in ("up", "recovering"):
             plan.actions.append(Action("report_failed", "server", s))
+        if covered:
+            return  # a warm spare takes it over
         # A shard that never registered has nothing to rebuild: its next process starts as a first one.
         first = state == "pending"
         incarnation = _next(procs, int((shard or {}).get("incarnation", 0)))
