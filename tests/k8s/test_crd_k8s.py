@@ -93,7 +93,7 @@ def test_server_fills_the_same_defaults_as_pydantic(job: dict[str, Any]):
     # Field for field the effective spec `ecrec local` computes, but for what a preset fills (no CRD default:
     # the API server would otherwise override the preset) and quantities the file wrote as numbers.
     effective = load_job(EXAMPLE).spec.to_dict()
-    for alias in ("embeddingDim", "tableSizes", "bottomMlp", "topMlp"):
+    for alias in ("embeddingDim", "numDenseFeatures", "tableSizes", "bottomMlp", "topMlp"):
         effective["model"].pop(alias)
     effective["workers"]["resources"]["requests"]["cpu"] = 1
     assert pruned(stored) == pruned(effective)
