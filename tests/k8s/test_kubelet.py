@@ -431,7 +431,9 @@ def test_kubectl_delete_sends_sigterm_then_removes_the_pod(kube: KubeTestEnv, co
     assert marker.read_text() == f"SIGTERM {pid}"
     assert get_pod(core, "graceful") is None
     assert not alive(pid)
-    assert took < 10, f"delete took {took:.1f} s: the process exited at once, no need for the 20 s grace"
+    # Below the 20 s grace period (not a tighter bound: on a machine loaded to 10+ runnable processes the
+    # kubectl round trips alone took over 10 s once).
+    assert took < 18, f"delete took {took:.1f} s: the process exited at once, no need for the 20 s grace"
 
 
 def test_delete_sigkills_after_the_grace_period(kube: KubeTestEnv, core, kubelet, ns):
