@@ -249,6 +249,23 @@ def cmd_bench_recovery(args) -> int:
     return 0
 
 
+def cmd_bench_paper(args) -> int:
+    from ecrec.paperbench import bench_paper
+
+    work = Path(args.work) if args.work else None
+    if args.only_cached and not work:
+        print("error: --only-cached needs --work (the directory whose runs.json to use)", file=sys.stderr)
+        return 2
+    bench_paper(
+        Path(args.out),
+        quick=args.quick,
+        work=work,
+        render_only=args.render_only,
+        only_cached=args.only_cached,
+    )
+    return 0
+
+
 def cmd_bench_fuzz(args) -> int:
     from ecrec.fuzz import fuzz_job
 
@@ -470,6 +487,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/bench-fuzz")
     p.set_defaults(fn=cmd_bench_fuzz)
+
+    p = bench.add_parser(
+        "paper",
+        help="the ECRec paper's evaluation (Figs. 5-13) scaled to this machine: results, figures, report",
+    )
+    p.add_argument("--out", default="out/bench-paper", help="results.json, PNG figures and report.md go here")
+    p.add_argument("--quick", action="store_true", help="a reduced set (tiny model, few steps): minutes")
+    p.add_argument(
+        "--work",
+        help="keep the jobs' directories (logs) here (default: a temporary directory); jobs already finished "
+        "there with the same settings are not run again",
+    )
+    p.add_argument(
+        "--render-only", action="store_true", help="redraw figures and report from OUT/results.json"
+    )
+    p.add_argument(
+        "--only-cached",
+        action="store_true",
+        help="run no job: report what the jobs in WORK/runs.json give (a reduced run, said so in the report)",
+    )
+    p.set_defaults(fn=cmd_bench_paper)
     return ap
 
 

@@ -1,0 +1,152 @@
+"""`ecrec bench paper`: the quick plan end to end (structure, not speed), and the arithmetic of its numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import processes_mentioning
+
+from ecrec.cli import main
+from ecrec.paperbench import ckpt_cases, load_of, time_to_samples
+
+SECTIONS = (
+    "## Scaling rule",
+    "(paper Fig. 5)",
+    "(paper Figs. 6-11)",
+    "(paper Fig. 12)",
+    "Lock-group granularity",
+    "(paper Fig. 13, §5.4)",
+    "Server load balance",
+    "Ablations: 2PC and dense replication",
+    "## Noise and CPU contention",
+    "## Departures from the papers",
+)
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise ValueError(f"{name} in results.json")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_quick_bench_writes_results_figures_and_a_report_with_every_section(tmp_path):
+    out = tmp_path / "paper"
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "paper", "--quick", "--out", str(out), "--work", str(tmp_path / "work")])
+    assert exit_.value.code == 0
+
+    results = _strict_json((out / "results.json").read_text())
+    assert {
+        "plan",
+        "machine",
+        "intervals",
+        "overhead",
+        "timelines",
+        "recovery",
+        "load_balance",
+        "ablations",
+        "baselines",
+        "noise",
+        "paper",
+        "runs",
+    } <= results.keys()
+    assert {"ecrec", "ckpt", "lock_groups"} <= results["recovery"].keys()
+    assert {"overhead", "accuracy", "checknrun_size"} <= results["baselines"].keys()
+    assert {r["config"] for r in results["overhead"]} >= {"No FT", "ECRec k=2", "Ckpt short"}
+    configs = {r["config"] for r in results["baselines"]["accuracy"]}
+    assert configs == {"No FT, no failure", "ECRec k=2", "Ckpt", "Check-N-Run", "CPR"}
+    # (when a kill lands depends on the machine's load: the numbers may be missing, the rows may not)
+    for r in results["recovery"]["ecrec"]:
+        assert r["continue_s"] is None or r["full_s"] >= r["continue_s"]
+        assert r["parity_mismatches"] in (0, None)
+    (ckpt,) = results["recovery"]["ckpt"]
+    assert {"restore_s", "best_s", "average_s", "worst_s"} <= ckpt.keys()
+    assert all(len(r["updates_per_server"]) == 3 for r in results["load_balance"])
+    for name in results["timelines"]["no_failure"] + results["timelines"]["failure"]:
+        assert results["runs"][name]["progress_series"], name
+    assert all(0 <= r["other_cpu_share"] <= 1 for r in results["runs"].values())
+
+    report = (out / "report.md").read_text()
+    for section in SECTIONS:
+        assert section in report, section
+    figures = sorted(p.name for p in out.glob("*.png"))
+    assert figures == sorted(
+        [
+            "fig5_overhead.png",
+            "fig6_9_no_failure.png",
+            "fig10_11_failure.png",
+            "fig12_recovery.png",
+            "fig13_baselines.png",
+            "load_balance.png",
+        ]
+    )
+    for name in figures:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name})" in report, name
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_training_time_is_when_the_total_was_first_reported():
+    progress = [[0.5, 100], [1.0, 300], [1.5, 400], [2.0, 250], [2.5, 400]]  # a rollback at 2.0
+    assert time_to_samples(progress, 400, fallback=9.0) == 1.5
+    assert time_to_samples(progress, 500, fallback=9.0) == 9.0
+
+
+def test_checkpoint_cases_scale_the_measured_redo_to_no_half_and_one_interval():
+    # 2 workers redid 20 steps each (40 rank-steps) in 4 s: 0.2 s per step; interval 100 steps
+    measured = {"restore_s": 3.0, "redo_s": 4.0, "steps_redone": 40, "workers": 2}
+    assert ckpt_cases(measured, 100) == pytest.approx({"best_s": 3.0, "average_s": 13.0, "worst_s": 23.0})
+    # the kill landed on a checkpoint: nothing redone, the step rate before the kill stands in
+    landed = {"restore_s": 3.0, "redo_s": 0.0, "steps_redone": 0, "workers": 2, "step_s_before": 0.1}
+    assert ckpt_cases(landed, 100) == pytest.approx({"best_s": 3.0, "average_s": 8.0, "worst_s": 13.0})
+
+
+def test_load_counts_pushes_or_staged_rows_plus_parity_deltas_per_server():
+    from types import SimpleNamespace
+
+    run = SimpleNamespace(
+        name="r",
+        server_rows=[{"shard": 0, "stage": 10, "delta": 10}, {"shard": 1, "stage": 30, "delta": 10}],
+    )
+    load = load_of("ECRec k=2", run)
+    assert load["updates_per_server"] == [20, 40]
+    assert load["max_over_mean"] == pytest.approx(40 / 30)
+    assert load["max_over_min"] == 2.0
+
+
+def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp_path):
+    """The launcher asks for a shard's recovery from a status read before its restore completed; under a
+    checkpoint strategy that request only reports, and must not open a record nothing completes (the launcher
+    waits for every record to complete: a bench job hung there until its timeout)."""
+    import time
+
+    from conftest import make_ctx
+    from fastapi.testclient import TestClient
+
+    from ecrec.coordinator import Coordinator, create_app
+
+    ctx = make_ctx(
+        servers__replicas=3,
+        faultTolerance__strategy="checkpoint",
+        faultTolerance__checkpoint__path=str(tmp_path / "ckpt"),
+    )
+    alive = {f"h:{s}" for s in range(3)}
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: addr in alive)
+    api = TestClient(create_app(coord))
+    for s in range(3):
+        r = api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+        assert r.status_code == 200
+    assert api.post("/recoveries", json={"shard": 1}).status_code == 409  # it has not failed
+    assert api.get("/recoveries").json() == []
+    alive.discard("h:1")
+    api.post("/v1/failures", json={"shard": 1})
+    r = api.post(
+        "/v1/servers/register", json={"shard": 1, "address": "h:9", "instance": "r1", "replacement": True}
+    )
+    assert r.status_code == 200
+    with coord.lock:
+        coord.complete_restore(1, 0, time.time())
+    assert api.post("/recoveries", json={"shard": 1}).status_code == 200  # late: answers the record
+    assert [r["state"] for r in api.get("/recoveries").json()] == ["completed"]
