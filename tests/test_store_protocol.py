@@ -810,6 +810,83 @@ def test_deltas_of_a_dead_data_server_and_a_dead_worker_are_dropped_after_three_
     assert net[q].parity.resolved[(part.txn, S)] == "aborted"
 
 
+def _two_commits_on_the_same_rows(net: Net, ctx: JobContext, deliver_t1: bool = True):
+    """S commits part t1 and then t2 on the same three rows (their parity on one server, returned); the
+    parity server hears t2's decision but not t1's (t1's worker died, or its decision is late)."""
+    local = torch.tensor([0, 4, 8])
+    ps = ctx.placement.parity_of(S, local)[0]
+    assert bool((ps == ps[0]).all())
+    g = ctx.placement.global_id(S, local)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(3, ctx.dim, generator=gen) for _ in range(2)]
+    s1 = stage_part(net, S, "t1/2.-1.0", g, grads[0])
+    assert net.call(WORKER, S, "commit", "t1/2.-1.0") == "committed"
+    s2 = stage_part(net, S, "t2/2.-1.0", g, grads[1])
+    assert net.call(WORKER, S, "commit", "t2/2.-1.0") == "committed"
+    if deliver_t1:
+        decide_part(net, "t1/2.-1.0", S, s1, commit=True)
+    decide_part(net, "t2/2.-1.0", S, s2, commit=True)
+    return int(ps[0]), g
+
+
+def test_a_dead_servers_undecided_delta_under_a_later_committed_one_is_committed_not_dropped(ctx):
+    # t2's delta (version 2) is held at the parity server until t1's (version 1) is applied. S dies and nobody
+    # decides t1; the three-timeouts rule would drop it, and the next degraded write (version 1 again) would
+    # let t2 apply on top of it: the record then mixes two lineages, and S's rebuilt rows are garbage
+    # (values like 3e3 from xor-ed bit patterns: the NaN a CI run of the paused-server e2e died of). A later
+    # version from S is proof that S committed t1: it is committed.
+    net, twin = Net(ctx, wait_timeout=0.2, txn_timeout=5.0), Net(ctx)
+    ps, g = _two_commits_on_the_same_rows(net, ctx, deliver_t1=False)
+    _two_commits_on_the_same_rows(twin, ctx)
+    assert len(net[ps].parity.held) == 1 and ("t1/2.-1.0", S) in net[ps].parity.staged
+    net.kill(S)
+    with pytest.raises(Busy):  # nothing builds on the record while it lacks t1 and t2
+        net.call(WORKER, ps, "stage", "t3/4.2.0", g, torch.ones(3, ctx.dim), S)
+    net.clock.advance(20.0)
+    net[ps].expire()
+    assert net[ps].parity.resolved[("t1/2.-1.0", S)] == "committed" and net[ps].parity.held == []
+    grads = torch.randn(3, ctx.dim, generator=torch.Generator().manual_seed(12))
+    net.call(WORKER, ps, "stage", "t3/4.2.0", g, grads, S)  # a degraded write, then the rebuild
+    net.call(WORKER, ps, "commit", "t3/4.2.0")
+    commit_part(twin, S, "t3/4.2.0", stage_part(twin, S, "t3/4.2.0", g, grads))
+    assert_matches_twin(net, twin)
+    net.replace(S)
+    net.recover(S, lock_group_rows=1000)
+    assert_fully_recovered(net, twin)
+
+
+def test_a_dead_servers_committed_delta_whose_predecessor_was_dropped_is_dropped_too(ctx):
+    # t1 was dropped (S dead, no later delta yet, three timeouts); t2's deltas and its commit on S's behalf
+    # arrive only then. Nothing can fill the gap: t2 is dropped too, so the record keeps a consistent cut.
+    net, twin = Net(ctx, wait_timeout=0.2, txn_timeout=5.0), Net(ctx)
+    local = torch.tensor([0, 4, 8])
+    ps = int(ctx.placement.parity_of(S, local)[0][0])
+    g = ctx.placement.global_id(S, local)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(3, ctx.dim, generator=gen) for _ in range(3)]
+    stage_part(net, S, "t1/2.-1.0", g, grads[0])
+    assert net.call(WORKER, S, "commit", "t1/2.-1.0") == "committed"
+    late = net.call(WORKER, S, "stage", "t2/2.-1.0", g, grads[1])  # its worker is slow to deliver the deltas
+    net.kill(S)
+    net.clock.advance(20.0)
+    net[ps].expire()
+    assert net[ps].parity.resolved[("t1/2.-1.0", S)] == "aborted"
+    for b in late.batches:
+        net.call(WORKER, b.parity_server, "stage_deltas", [wire_copy(b, b.parity_server)])
+    decide_part(net, "t2/2.-1.0", S, late, commit=True)  # S is gone: committed on its behalf
+    assert len(net[ps].parity.held) == 1
+    with pytest.raises(Busy):
+        net.call(WORKER, ps, "stage", "t3/4.2.0", g, grads[2], S)
+    net[ps].expire()
+    assert net[ps].parity.held == []
+    net.call(WORKER, ps, "stage", "t3/4.2.0", g, grads[2], S)
+    net.call(WORKER, ps, "commit", "t3/4.2.0")
+    commit_part(twin, S, "t3/4.2.0", stage_part(twin, S, "t3/4.2.0", g, grads[2]))  # t1, t2 died with S
+    net.replace(S)
+    net.recover(S, lock_group_rows=1000)
+    assert_fully_recovered(net, twin)
+
+
 def test_expired_degraded_write_releases_the_failed_shards_rows(ctx):
     net = Net(ctx, wait_timeout=0.2, txn_timeout=5.0)
     net.kill(S)

@@ -464,7 +464,7 @@ class PSClient:
                 fault_point("worker:mid_commit")
             urgent = False
             for part, deltas, fut in cfuts:
-                outcome = self._commit_outcome(part, fut)
+                outcome = self._commit_outcome(part, fut, retries)
                 if outcome == "committed":
                     update.committed(part)
                     retries.progress()
@@ -540,23 +540,31 @@ class PSClient:
             by_server = retry
         return undelivered | set(by_server)
 
-    def _commit_outcome(self, part: Part, fut: Future) -> str:
-        """committed, aborted, or gone (the target died or was replaced after its stage was answered)."""
-        for _try in range(5):
+    def _commit_outcome(self, part: Part, fut: Future, retries: Retries) -> str:
+        """committed, aborted, or gone (the target died or was replaced after its stage was answered).
+
+        An unanswered Commit is none of these: the part may well be committed there (the answer was lost,
+        or the server hung after committing), and retrying it as a new part would apply the update twice —
+        at the server if it comes back, at the acting home if it is declared failed while its parity servers
+        still hold the deltas. So ask again (commits are idempotent) until the server answers or the
+        coordinator declares it failed; `retries` bounds that by progressTimeoutSeconds (Stalled)."""
+        while True:
             try:
                 outcome = fut.result().outcome
             except grpc.RpcError as e:
                 if e.code() not in UNREACHABLE:
                     raise ServerUnavailable(part.target, e) from e
+                retries.note(part.target, "Commit", e)
                 self.report_failure(part.target)
                 if self.failed(part.target):
                     return "gone"
+                retries.check()
+                time.sleep(retries.backoff())
                 fut = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
-                continue  # alive: commits are idempotent, ask again
+                continue
             if outcome == "unknown":  # a replacement answered: the process that staged the part is gone
                 return "gone"
             return outcome
-        return "gone" if self.failed(part.target) else "aborted"
 
     def _queue_decisions(self, part: Part, deltas: list) -> None:
         with self._decisions_lock:

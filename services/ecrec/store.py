@@ -371,7 +371,7 @@ class ShardStore:
     def _undecided_from(self, src: int, index: torch.Tensor) -> bool:
         """Any update of shard `src`'s rows in flight on these parity indices? (A staged delta of src, or a
         degraded write this server is running for src, possibly still decoding.)"""
-        for _txn, idx, _slot in self.parity.staged_members(src):
+        for _txn, idx, _slot in self.parity.staged_members(src) + self.parity.held_members(src):
             if bool(torch.isin(idx, index).any()):
                 return True
         locks = self.acting_locks.get(src)
@@ -468,6 +468,13 @@ class ShardStore:
         with self.lock:
             cache = self.acting_cache.get(src)
             hit = cache.valid[local] if cache is not None else torch.zeros(local.numel(), dtype=torch.bool)
+            if bool(hit.any()):
+                # A materialized row is only as good as the version the parity record reflects for it: a
+                # delta of the dead server applied since (committed on its behalf, or held until now) makes
+                # it stale, whatever invalidation missed.
+                _, pindex = self.placement.parity_of(src, local)
+                slot = self.placement.stripe_of(src, local)[1]
+                hit &= cache.versions[local] == self.parity.pver[pindex, slot]
             if bool(hit.all()):
                 return cache.records[local].clone(), cache.versions[local].clone()
             generation = cache.generation if cache is not None else 0
@@ -821,6 +828,10 @@ class ShardStore:
                 "rows of a failed shard staged by another txn",
                 timeout=ROW_LOCK_WAIT,
             )
+            # Checked again under the lock (the wait released it): a replacement's rebuild may have read
+            # these rows' parity since, and must not miss a write that starts after its read.
+            if not self.peers.is_failed(src):
+                raise NotOwner(f"shard {src} has a replacement now (epoch {self.epoch}): refresh the map")
             locks.lock(txn, local)
         try:
             old, vers = self.lost_rows(src, local)
@@ -841,9 +852,10 @@ class ShardStore:
         return local.numel()
 
     def _staged_from_rows(self, src: int, local: torch.Tensor) -> bool:
-        """Does failed shard src still have an undecided delta (staged before it died) on these rows?"""
+        """Does failed shard src still have an undecided delta (staged before it died) on these rows, or a
+        committed one held until its predecessor is applied?"""
         k = self.placement.k
-        for txn, idx, slot in self.parity.staged_members(src):
+        for txn, idx, slot in self.parity.staged_members(src) + self.parity.held_members(src):
             if txn in self.acting_staged:
                 continue
             if bool(torch.isin(idx * k + slot, local).any()):
@@ -998,6 +1010,10 @@ class ShardStore:
             self.abort(txn)
         for (txn, src), age in undecided:
             self._settle(txn, src, age)
+        if self.ctx.spec.fault_tolerance.ecrec.two_phase_commit:  # without 2PC deltas are never staged here
+            with self.lock:
+                if self.parity.drop_orphans():
+                    self.cond.notify_all()
         return stale
 
     def _settle(self, txn: str, src: int, age: float) -> None:
@@ -1010,6 +1026,10 @@ class ShardStore:
                 answer = self.peers.outcome(src, txn)
             except PeerFailed:
                 answer = "unknown"
+        if answer == "unknown":
+            with self.lock:  # a later delta of one of its rows from src proves src committed it
+                if self.parity.proves_commit(txn, src, exclude=self.acting_staged):
+                    answer = "committed"
         if answer == "committed":
             self.decide_deltas(txn, src, True)
         elif answer == "aborted" or (answer == "unknown" and age > 3 * self.txn_timeout):

@@ -165,7 +165,11 @@ def test_helm_install_runs_the_operator_as_a_deployment_and_a_job_trains(cluster
     # A job, applied as a user would: the operator in the pod creates its pods, with the chart's defaults.
     c.kubectl("apply", "-f", "-", input=util.job_manifest("helm-small", NS, **{"training.steps": 200}))
 
+    seen: dict[str, dict] = {}  # every pod of the job seen while it ran: the operator removes them at the end
+
     def finished():
+        for p in c.get("pods", "-n", NS, "-l", "ecrec.dev/job=helm-small")["items"]:
+            seen[p["metadata"]["name"]] = p
         st = c.get("ecj", "helm-small", "-n", NS).get("status") or {}
         assert st.get("phase") != "Failed", st
         return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
@@ -174,7 +178,7 @@ def test_helm_install_runs_the_operator_as_a_deployment_and_a_job_trains(cluster
     # The operator's final checks ran in its pod too: the model's AUC and the parity check.
     assert status["step"] == 200 and 0.5 < status["eval"]["auc"] <= 1.0
     assert status["parityCheck"]["mismatches"] == 0 and status["parityCheck"]["stripes"] > 0
-    job_pods = c.get("pods", "-n", NS, "-l", "ecrec.dev/job=helm-small")["items"]
+    job_pods = list(seen.values())
     # The job's own NetworkPolicy and token Secret, created by the operator, owned by the job.
     policy = c.get("networkpolicy", "helm-small-ecrec", "-n", NS)
     assert policy["spec"]["podSelector"] == {"matchLabels": {"ecrec.dev/job": "helm-small"}}

@@ -15,7 +15,7 @@ Everything here is plain torch on tensors handed in by the caller; the caller ho
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -211,6 +211,68 @@ class ParityParticipant:
     def staged_members(self, src: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(txn, parity index, slot) of deltas from `src` still undecided: those rows are busy."""
         return [(t, b.index, b.slot) for (t, s), bs in self.staged.items() if s == src for b in bs]
+
+    def held_members(self, src: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """(txn, parity index, slot) of committed deltas from `src` waiting for a predecessor: the record does
+        not reflect them yet, so those rows are busy too (nothing may build on what the record holds)."""
+        return [(b.txn, b.index, b.slot) for b in self.held if b.src == src]
+
+    def _key(self, b: DeltaBatch) -> torch.Tensor:
+        """One id per (parity record, stripe slot): a member row of this server's stripes."""
+        return b.index * self.placement.k + b.slot
+
+    def proves_commit(self, txn: str, src: int, exclude: Collection[str] = ()) -> bool:
+        """Do deltas here prove that data server `src` committed the undecided part (txn, src)? They do if
+        one of its rows has a delta from `src` at a higher version, staged or held: a data server stages a
+        row only after its previous part on the row is decided, and only a commit advances the version.
+        Used when `src` can no longer answer (it died): dropping a committed delta under a later one would
+        let the later one apply onto a record that lacks its predecessor — a garbage decode under xor.
+        `exclude`: txns whose deltas are not `src`'s own lineage (this server's degraded writes for `src`)."""
+        mine = self.staged.get((txn, src))
+        if not mine:
+            return False
+        later = [
+            b for (t, s), bs in self.staged.items() if s == src and t != txn and t not in exclude for b in bs
+        ]
+        later += [b for b in self.held if b.src == src and b.txn not in exclude]
+        if not later:
+            return False
+        keys = torch.cat([self._key(b) for b in mine])
+        vers = torch.cat([b.version for b in mine])
+        order = torch.argsort(keys)
+        keys, vers = keys[order], vers[order]
+        okeys = torch.cat([self._key(b) for b in later])
+        overs = torch.cat([b.version for b in later])
+        pos = torch.searchsorted(keys, okeys).clamp(max=keys.numel() - 1)
+        same = keys[pos] == okeys
+        return bool((same & (overs > vers[pos])).any())
+
+    def drop_orphans(self) -> int:
+        """Drop held rows that nothing can complete: no staged delta of their server fills the gap between
+        the record's version and theirs. Under two-phase commit a predecessor is staged here before its data
+        server commits it, so a gap no staged delta fills was resolved as aborted — decided without its data
+        server, which had died (`proves_commit` keeps that from happening where a later delta proves the
+        commit; this is for a later delta that arrived after the drop). The record then stays at the last
+        version it holds, a consistent cut. Returns the rows dropped."""
+        if not self.held:
+            return 0
+        staged = [b for bs in self.staged.values() for b in bs]
+        kept, dropped = [], 0
+        for h in self.held:
+            cur = self.pver[h.index, h.slot]
+            fill = torch.zeros(h.index.numel(), dtype=torch.bool)
+            for b in staged:
+                if b.src != h.src:
+                    continue
+                hit = (self._key(h)[:, None] == self._key(b)[None, :]) & (
+                    (b.version[None, :] > cur[:, None]) & (b.version[None, :] < h.version[:, None])
+                )
+                fill |= hit.any(dim=1)
+            dropped += int((~fill).sum())
+            if bool(fill.any()):
+                kept.append(_rows(h, fill))
+        self.held = kept
+        return dropped
 
     def commit(self, txn: str, src: int) -> str:
         """Apply the deltas of (txn, src). Idempotent: returns "committed" / "aborted" / "unknown"."""
