@@ -33,3 +33,17 @@ def test_a_released_or_silent_spare_gives_its_shard_back():
     assert [(s, sp.instance) for s, sp in pool.assign([1], now=6.0)] == [(1, "a")]
     with pytest.raises(ValueError, match="name itself"):
         pool.register("", "h", "", now=7.0)
+
+
+def test_a_spare_that_heartbeats_but_never_takes_its_shard_is_dropped_and_the_shard_reassigned():
+    # A stuck spare, or a stray client with the token posing as one: its heartbeats must not hold the shard.
+    pool = SparePool()
+    pool.register("stray", "h:1", "", now=0.0)
+    pool.register("real", "h:2", "", now=1.0)
+    assert [(s, sp.instance) for s, sp in pool.assign([2], now=2.0)] == [(2, "stray")]
+    for t in (3.0, 4.0, 4.9):
+        assert pool.heartbeat("stray", now=t) is not None and pool.heartbeat("real", now=t) is not None
+        assert pool.expire(now=t, timeout=3.0) == []
+    [gone] = pool.expire(now=5.1, timeout=3.0)  # assigned at 2.0, still not registered as shard 2
+    assert gone.instance == "stray" and gone.assigned == 2
+    assert [(s, sp.instance) for s, sp in pool.assign([2], now=5.2)] == [(2, "real")]

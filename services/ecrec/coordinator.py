@@ -450,7 +450,9 @@ class Coordinator:
         with self.lock:
             now = self.clock()
             self._apply(self.cluster.tick(now))
-            for spare in self.spares.expire(now, self.cluster.failure_timeout):
+            # a takeover builds the shard's empty store first: seconds on a loaded machine
+            takeover = max(10.0, 2 * self.cluster.failure_timeout)
+            for spare in self.spares.expire(now, self.cluster.failure_timeout, takeover):
                 self.progress.event("spare_lost", now, instance=spare.instance, shard=spare.assigned)
             self._assign_spares(now)
             self._check_workers(now)

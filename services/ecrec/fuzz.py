@@ -57,6 +57,8 @@ REST_ENDPOINTS = (
     "/v1/workers/lost",
     "/v1/events",
     "/recoveries",
+    "/v1/spares/register",
+    "/v1/spares/heartbeat",
 )
 
 
@@ -253,6 +255,14 @@ class Fuzzer:
             }
         if endpoint == "/recoveries":
             return {"shard": shard}
+        if endpoint in ("/v1/spares/register", "/v1/spares/heartbeat"):
+            # a stray spare is kept until its heartbeats stop; one assigned a shard that never takes it
+            # over is released after failureTimeoutSeconds (ecrec.core.spares)
+            return {
+                "instance": r.choice(["", "fuzz", f"f{r.randrange(10**6)}"]),
+                "address": r.choice(["127.0.0.1:1", "", "nowhere:0"]),
+                "cpuSeconds": r.choice([None, -1.0, 1e300]),
+            }
         raise ValueError(endpoint)
 
     # -- driving -------------------------------------------------------------------------------------------------

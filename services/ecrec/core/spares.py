@@ -8,8 +8,9 @@ path a freshly started replacement takes, minus the process start-up (imports, t
 what a full recovery waited for most. Once it registered as the shard (`taken`) it is a server like any
 other and leaves the pool; the launcher (ecrec.core.reconcile) starts a new spare to keep `servers.spares`.
 
-An assignment is released when the spare goes silent for the failure timeout before it registered
-(`expire`): the shard then gets another spare, or a new process from the launcher. A coordinator that
+An assignment is released when the spare goes silent for the failure timeout before it registered, or has
+not registered as the shard within that time although it heartbeats (`expire`): the shard then gets another
+spare, or a new process from the launcher. A coordinator that
 replaces a dead one starts with an empty pool; spares whose heartbeats it does not know register again.
 """
 
@@ -87,9 +88,17 @@ class SparePool:
         """The spare registered as its shard: it is a server now, no longer a spare."""
         return self.spares.pop(instance, None)
 
-    def expire(self, now: float, timeout: float) -> list[Spare]:
-        """Spares silent for `timeout` seconds are dropped (their assignments with them)."""
-        gone = [s for s in self.spares.values() if now - s.heard_at > timeout]
+    def expire(self, now: float, timeout: float, takeover_timeout: float | None = None) -> list[Spare]:
+        """Spares silent for `timeout` seconds are dropped (their assignments with them), and so are spares
+        that heartbeat but have not taken the shard assigned to them within `takeover_timeout` (default
+        `timeout`; a takeover takes about a second): a stuck spare, or a stray client posing as one, must not
+        hold a failed shard."""
+        takeover = timeout if takeover_timeout is None else takeover_timeout
+        gone = [
+            s
+            for s in self.spares.values()
+            if now - s.heard_at > timeout or (s.assigned_at is not None and now - s.assigned_at > takeover)
+        ]
         for s in gone:
             del self.spares[s.instance]
         return gone
