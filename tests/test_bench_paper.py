@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from conftest import processes_mentioning
 
 from ecrec.cli import main
-from ecrec.paperbench import ckpt_cases, load_of, time_to_samples
+from ecrec.paperbench import FULL, QUICK, PaperBench, bench_paper, ckpt_cases, load_of, time_to_samples
 
 SECTIONS = (
     "## Scaling rule",
@@ -18,6 +19,7 @@ SECTIONS = (
     "Lock-group granularity",
     "(paper Fig. 13, §5.4)",
     "Server load balance",
+    "## Effect of entry width",
     "Ablations: 2PC and dense replication",
     "## Noise and CPU contention",
     "## Departures from the papers",
@@ -47,6 +49,7 @@ def test_quick_bench_writes_results_figures_and_a_report_with_every_section(tmp_
         "recovery",
         "load_balance",
         "ablations",
+        "entry_width",
         "baselines",
         "noise",
         "paper",
@@ -67,6 +70,21 @@ def test_quick_bench_writes_results_figures_and_a_report_with_every_section(tmp_
     for name in results["timelines"]["no_failure"] + results["timelines"]["failure"]:
         assert results["runs"][name]["progress_series"], name
     assert all(0 <= r["other_cpu_share"] <= 1 for r in results["runs"].values())
+    # entry width: the same total size, half the rows at twice the dim; 4S's pair is Fig. 5's ×1 jobs
+    narrow, wide = results["entry_width"]["configs"]
+    assert (narrow["config"], wide["config"]) == ("4S", "2S-2D")
+    assert (narrow["base_run"], narrow["run"]) == ("noft_x1", "ecrec_k2_x1")
+    assert wide["dim"] == 2 * narrow["dim"] and 2 * wide["rows"] == narrow["rows"]
+    assert wide["floats"] == narrow["floats"]
+    fig5 = next(r for r in results["overhead"] if r["config"] == "ECRec k=2" and r["scale"] == 1)
+    assert narrow["overhead"] == pytest.approx(fig5["overhead"])
+    for r in (narrow, wide):
+        base, run = results["runs"][r["base_run"]], results["runs"][r["run"]]
+        assert (base["strategy"], run["strategy"]) == ("none", "ecrec")
+        assert base["rows"] == run["rows"] == r["rows"]
+        assert math.isfinite(r["overhead"]) and r["overhead"] > -1
+        assert r["overhead"] == pytest.approx(run["train_s"] / base["train_s"] - 1)
+        assert r["ecrec_samples_per_s"] > 0 and r["noft_samples_per_s"] > 0
 
     report = (out / "report.md").read_text()
     for section in SECTIONS:
@@ -80,12 +98,39 @@ def test_quick_bench_writes_results_figures_and_a_report_with_every_section(tmp_
             "fig12_recovery.png",
             "fig13_baselines.png",
             "load_balance.png",
+            "entry_width.png",
         ]
     )
     for name in figures:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
         assert f"]({name})" in report, name
+    section = report.split("## Effect of entry width")[1].split("\n## ")[0]
+    assert "| 4S | " in section and "| 2S-2D | " in section and "Paper: " in section
     assert processes_mentioning(str(tmp_path)) == []
+
+    # re-rendering the results.json of a bench without the experiment: the report says so
+    del results["entry_width"]
+    (out / "results.json").write_text(json.dumps(results))
+    (out / "entry_width.png").unlink()
+    bench_paper(out, render_only=True, log=lambda *a: None)
+    report = (out / "report.md").read_text()
+    section = report.split("## Effect of entry width")[1].split("\n## ")[0]
+    assert "Not run" in section and "entry_width.png" not in report
+    assert not (out / "entry_width.png").exists()
+
+
+@pytest.mark.parametrize("plan", [FULL, QUICK], ids=lambda p: p.name)
+def test_entry_width_models_have_one_total_size_half_the_rows_at_twice_the_dim(plan, tmp_path):
+    bench = PaperBench(plan, tmp_path, log=lambda *a: None)
+    (narrow_name, narrow_scale, narrow_sets, _), (wide_name, wide_scale, wide_sets, _) = (
+        bench.entry_width_models()
+    )
+    assert (narrow_name, wide_name) == ("4S", "2S-2D")
+    narrow = bench.model_of([f"model.scale={narrow_scale}", *narrow_sets])
+    wide = bench.model_of([f"model.scale={wide_scale}", *wide_sets])
+    assert narrow_scale == plan.entry_width_scale and narrow.dim == bench.dim
+    assert (wide.num_rows * 2, wide.dim) == (narrow.num_rows, narrow.dim * 2)
+    assert wide.bottom_mlp[-1] == wide.dim  # the NN's input widens with the entries
 
 
 def test_training_time_is_when_the_total_was_first_reported():

@@ -93,6 +93,10 @@ class Plan:
     failure_scale: int = 4  # Figs. 10-11 (paper: Criteo-4S)
     throughput_scale: int = 8  # Figs. 6-9 and 13 (paper: Criteo-8S)
     lock_scales: tuple[int, ...] = (1, 8)
+    # §5.2 effect of entry width: "4S" is the model at this scale and the plan's dim (Fig. 5's jobs when the
+    # scale is among `scales`), "2S-2D" half its rows at twice the dim: the same total size (paper: Criteo-4S
+    # vs Criteo-2S-2D)
+    entry_width_scale: int = 4
     ckpt_long: bool = True
     ablations: bool = True
     baselines_no_failure: bool = True  # Fig. 13's overheads: checknrun and cpr without failure
@@ -124,6 +128,7 @@ QUICK = Plan(
     failure_scale=1,
     throughput_scale=1,
     lock_scales=(),
+    entry_width_scale=1,  # 4S is the ×1 jobs above: two jobs more, the 2S-2D pair
     ckpt_long=False,
     ablations=False,
     baselines_no_failure=False,
@@ -401,20 +406,34 @@ class PaperBench:
         self.servers = base.num_servers
         self.workers = base.spec.workers.replicas
         self.batch = base.spec.training.batch_size
+        self.dim = base.model.dim
+        self.table_sizes = list(base.spec.model.table_sizes or ())  # before scale
+
+    def model_of(self, overrides: list[str]):
+        """The model (rows, dim) of the plan's job with these overrides."""
+        return JobContext(load_job_with(job_path(self.plan.job), [*self.plan.sets, *overrides])).model
 
     # -- the runs every section shares ----------------------------------------------------------------
-    def noft(self, scale: int) -> Run:
-        return self.r.run(f"noft_x{scale}", strategy="none", scale=scale)
+    # `model`: overrides of the model's shape beyond `scale`, `tag` names them in the job's name (entry width)
+    def noft(self, scale: int, model: tuple[str, ...] = (), tag: str = "") -> Run:
+        return self.r.run(f"noft_x{scale}{tag}", strategy="none", scale=scale, sets=model)
 
-    def ecrec(self, scale: int, k: int, kill: bool = False, groups: int = 1, extra: tuple = ()) -> Run:
-        rows = JobContext(
-            load_job_with(job_path(self.plan.job), [*self.plan.sets, f"model.scale={scale}"])
-        ).model.num_rows
+    def ecrec(
+        self,
+        scale: int,
+        k: int,
+        kill: bool = False,
+        groups: int = 1,
+        extra: tuple = (),
+        model: tuple[str, ...] = (),
+        tag: str = "",
+    ) -> Run:
+        rows = self.model_of([f"model.scale={scale}", *model]).num_rows
         # one group: as large as the model, so one lock per shard (the paper's default)
         group_rows = rows if groups == 1 else ten_group_rows(rows, self.servers)
-        sets = _ecrec_sets(k, f"faultTolerance.ecrec.lockGroupRows={group_rows}", *extra)
+        sets = (*model, *_ecrec_sets(k, f"faultTolerance.ecrec.lockGroupRows={group_rows}", *extra))
         suffix = "".join(f"_{e.split('.')[-1].replace('=', '')}" for e in extra)
-        name = f"ecrec_k{k}_x{scale}{suffix}" + (f"_kill_g{groups}" if kill else "")
+        name = f"ecrec_k{k}_x{scale}{tag}{suffix}" + (f"_kill_g{groups}" if kill else "")
         return self.r.run(
             name, strategy="ecrec", scale=scale, sets=sets, kill_step=self.kill_step(scale) if kill else None
         )
@@ -607,6 +626,64 @@ class PaperBench:
             for label, r in cases
         ]
 
+    # -- §5.2 effect of entry width -------------------------------------------------------------------------
+    def entry_width_models(self) -> list[tuple[str, int, tuple[str, ...], str]]:
+        """(config, scale, model overrides, job-name tag) of the two models of one total size: "4S" (the
+        plan's model at `entry_width_scale`) and "2S-2D" (half its rows, entries twice as wide)."""
+        s, wide_dim = self.plan.entry_width_scale, 2 * self.dim
+        # the preset's bottom MLP follows embeddingDim (its last width is the entry's): the NN's input
+        # widens with the entries, as in the paper's Criteo-2S-2D
+        wide = (f"model.embeddingDim={wide_dim}",)
+        if s % 2 == 0:
+            return [("4S", s, (), ""), ("2S-2D", s // 2, wide, f"_dim{wide_dim}")]
+        # an odd scale has no half in model.scale: halve the tables themselves (quick: model ×1 is "4S")
+        half = ",".join(str(math.ceil(n / 2)) for n in self.table_sizes)
+        return [
+            ("4S", s, (), ""),
+            ("2S-2D", s, (f"model.tableSizes=[{half}]", *wide), f"_halfrows_dim{wide_dim}"),
+        ]
+
+    def entry_width(self) -> dict:
+        """ECRec's overhead on 4S and 2S-2D, each against a No FT job of the same model, as Fig. 5's."""
+        k = self.plan.k_main
+        configs = []
+        for config, scale, model, tag in self.entry_width_models():
+            pair = _unless_skipped(
+                lambda scale=scale, model=model, tag=tag: (
+                    self.noft(scale, model, tag),
+                    self.ecrec(scale, k, model=model, tag=tag),
+                ),
+                None,
+            )
+            if pair is None:
+                continue
+            base, run = pair
+            m = JobContext(load_job_with(job_path(self.plan.job), base.overrides)).model
+            row = {
+                "config": config,
+                "paper_config": f"Criteo-{config}",
+                "scale": scale,
+                "rows": m.num_rows,
+                "dim": m.dim,
+                "floats": m.num_rows * m.dim,  # embedding values, optimizer state aside
+                "base_run": base.name,
+                "run": run.name,
+                "noft_samples_per_s": base.samples / base.train_s if base.train_s else None,
+                "ecrec_samples_per_s": run.samples / run.train_s if run.train_s else None,
+                # Fig. 5's measure: train time over No FT's (the same samples), minus 1
+                "overhead": run.train_s / base.train_s - 1,
+                "throughput_loss": 1 - base.train_s / run.train_s,
+                "rpcs_per_step": run.rpcs_per_step,
+                "paper": PAPER["entry_width"].get(f"ECRec k=4 on Criteo-{config}"),
+            }
+            row["cpu_adjusted_overhead"] = cpu_adjusted_overhead(
+                {base.name: asdict(base), run.name: asdict(run)}, row
+            )
+            configs.append(row)
+        by = {r["config"]: r for r in configs}
+        diff = by["2S-2D"]["overhead"] - by["4S"]["overhead"] if len(by) == 2 else None
+        return {"k": k, "configs": configs, "wide_minus_narrow": diff}
+
     # -- Fig. 13, Check-N-Run, CPR -------------------------------------------------------------------------
     def baselines(self) -> dict:
         out: dict = {"overhead": [], "accuracy": [], "checknrun_size": None}
@@ -737,6 +814,7 @@ class PaperBench:
             "recovery": self.recovery(),
             "load_balance": self.load_balance(),
             "ablations": _unless_skipped(self.ablations, []),
+            "entry_width": self.entry_width(),
             "baselines": self.baselines(),
             "noise": _unless_skipped(self.noise, None),
             "paper": PAPER,
@@ -1159,6 +1237,35 @@ def fig_baselines(results: dict, path: Path) -> Path:
     return path
 
 
+def fig_entry_width(results: dict, path: Path) -> Path:
+    plt = _plt()
+    ew = results["entry_width"]
+    rows = ew["configs"]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["overhead"] * 100 for r in rows], 0.4, label=f"ECRec k={ew['k']} (here)")
+    adjusted = [r.get("cpu_adjusted_overhead") for r in rows]
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [(a or 0) * 100 for a in adjusted],
+        0.4,
+        label="here, CPU-adjusted",
+        hatch="//",
+        color="tab:cyan",
+    )
+    ax.plot([x - 0.2 for x in xs], [(r["paper"] or 0) * 100 for r in rows], "kD", label="paper, k=4")
+    ax.set_xticks(list(xs), [f"{r['config']}\n{r['rows']:,} rows × {r['dim']}" for r in rows], fontsize=8)
+    ax.set_ylabel("training-time overhead vs No FT (%)")
+    ax.set_title("Effect of entry width (paper §5.2)")
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 FIGURES = {
     "fig5_overhead.png": fig_overhead,
     "fig12_recovery.png": fig_recovery,
@@ -1172,6 +1279,9 @@ def write_figures(results: dict, out: Path) -> list[str]:
     for name, fn in FIGURES.items():
         fn(results, out / name)
         names.append(name)
+    if (results.get("entry_width") or {}).get("configs"):  # results.json of an older bench: no such section
+        fig_entry_width(results, out / "entry_width.png")
+        names.append("entry_width.png")
     tl = results["timelines"]
     fig_timeline(
         results,
@@ -1202,6 +1312,10 @@ def _s(x, digits: int = 2) -> str:
 
 def _f(x, digits: int = 2) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _rate(x) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.0f}"
 
 
 def write_report(results: dict, out: Path, figures: list[str], command: str) -> Path:
@@ -1374,6 +1488,8 @@ def write_report(results: dict, out: Path, figures: list[str], command: str) -> 
             ]
             add(f"| {c} | " + " | ".join(cells) + " |")
         add("")
+
+    write_entry_width(results, add, figures)
 
     # Figs. 6-11
     tl = results["timelines"]
@@ -1640,6 +1756,56 @@ def write_report(results: dict, out: Path, figures: list[str], command: str) -> 
     return path
 
 
+def write_entry_width(results: dict, add, figures: list[str]) -> None:
+    add("## Effect of entry width (paper §5.2)\n")
+    ew = results.get("entry_width")
+    if not ew or not ew.get("configs"):
+        add("(Not run: the results are from a bench without this experiment, or its jobs were not run.)\n")
+        return
+    if "entry_width.png" in figures:
+        add("![entry width](entry_width.png)\n")
+    rows, k = ew["configs"], ew["k"]
+    scale = results["plan"].get("entry_width_scale")
+    add(
+        f"ECRec k={k} on two models of one total size: 4S (model ×{scale} here) and 2S-2D (half its rows, each "
+        "entry twice as wide; the bottom MLP's output widens with it, as the paper's NN input does). Each "
+        "against a No FT job of the same model, with Fig. 5's measure (training time over No FT's, minus 1; "
+        "the same samples, so No FT's samples/s over ECRec's, minus 1).\n"
+    )
+    add(
+        f"| config | rows | dim | total floats | No FT samples/s | ECRec k={k} samples/s | overhead | "
+        "CPU-adjusted | paper (k=4) |"
+    )
+    add("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        add(
+            f"| {r['config']} | {r['rows']:,} | {r['dim']} | {r['floats']:,} | {_rate(r['noft_samples_per_s'])} | "
+            f"{_rate(r['ecrec_samples_per_s'])} | {_pct(r['overhead'])} | {_pct(r.get('cpu_adjusted_overhead'))} | "
+            f"{_pct(r['paper'])} |"
+        )
+    diff = ew.get("wide_minus_narrow")
+    paper = PAPER["entry_width"]
+    p_diff = paper["ECRec k=4 on Criteo-2S-2D"] - paper["ECRec k=4 on Criteo-4S"]
+    text = (
+        f"\nPaper: wider entries cost more, {p_diff * 100:+.0f} points (Criteo-2S-2D vs Criteo-4S): difference "
+        "propagation moves every entry and its gradient, twice the bytes per entry. "
+    )
+    if diff is None:
+        text += "Here one of the two configs is missing, so there is no comparison."
+    else:
+        text += f"Here 2S-2D's overhead is {diff * 100:+.1f} points vs 4S's: " + (
+            "the same direction as the paper's" if diff > 0 else "not the paper's direction"
+        )
+        nz = results.get("noise")
+        if nz and nz.get("difference") is not None and abs(diff) <= abs(nz["difference"]):
+            text += (
+                f', but within the noise of one job run twice ({_pct(nz["difference"])}, see "Noise and CPU '
+                'contention"): this run does not resolve the direction'
+            )
+        text += "."
+    add(text + "\n")
+
+
 DEPARTURES = [
     "Scale: one 2-core machine runs the coordinator, 5 servers and 2 workers of every job as processes, where "
     "the paper had 5 32-vCPU servers and 15 V100 workers; a server's CPU is taken from the workers here, so "
@@ -1666,7 +1832,7 @@ DEPARTURES = [
 
 def cpu_adjusted_overhead(runs: dict, row: dict) -> float | None:
     """Overhead with each job's training time scaled by the share of the cores it had (see the report)."""
-    run, base = runs[row["run"]], runs[f"noft_x{row['scale']}"]
+    run, base = runs[row["run"]], runs[row.get("base_run") or f"noft_x{row['scale']}"]
     if run.get("other_cpu_share") is None or base.get("other_cpu_share") is None:
         return None
     own = run["train_s"] * (1 - run["other_cpu_share"])

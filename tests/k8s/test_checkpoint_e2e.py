@@ -116,6 +116,45 @@ def test_a_deleted_server_pod_under_cpr_reloads_only_its_shard_and_training_goes
     assert sorted(root.glob("ckpt-*/manifest.json")), sorted(root.parent.rglob("*"))
 
 
+def test_a_deleted_server_pod_under_checknrun_rolls_back_to_baseline_plus_increment(kube, kubelet, operator):  # noqa: F811
+    # Check-N-Run through the operator: increments of the rows changed since the last baseline, quantized to
+    # 8 bits, written to the claim; a server pod deleted after an increment is replaced, and every shard rolls
+    # back to baseline + increment (the same volume path as checkpoint's, a different writer and reader).
+    name = "e2e-cnr-kill"
+    kube.kubectl("apply", "-f", "-", input=claim_manifest())
+    overrides = {
+        "training.steps": 900,
+        "faultTolerance.strategy": "checknrun",
+        "faultTolerance.checknrun": {"intervalSteps": 100, "volumeClaim": CLAIM, "path": "cnr"},
+    }
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+
+    def incremented():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return ((st.get("checkpointing") or {}).get("committed") or {}).get("increment", 0) >= 1
+
+    wait_for("a baseline and an increment", incremented, timeout=240)
+    step = get_job(kube, name)["status"]["step"]
+    assert step < 800, f"training was nearly over (step {step}) before the server could go"
+    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=3")
+    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    status = wait_done(kube, name, timeout=600)
+
+    ckpt = status["checkpointing"]
+    assert ckpt["strategy"] == "checknrun" and ckpt["rollbacks"] >= 1 and ckpt["stepsRedone"] > 0, ckpt
+    assert ckpt["committed"]["full"] >= 1 and ckpt["committed"]["increment"] >= 1, ckpt
+    recs = [r for r in status["recoveries"] if r["shard"] == 3]
+    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
+    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "cnr"
+    manifests = [json.loads(m.read_text()) for m in root.glob("ckpt-*/manifest.json")]
+    kinds = {
+        "full" if m.get("base") is None else "increment" for m in manifests
+    }  # an increment names its base
+    assert kinds == {"full", "increment"}, (kinds, sorted(root.rglob("*"))[:20])
+
+
 def refuses_callers_without_the_token(kube, name: str) -> None:
     """The job's own APIs on its real pods: a caller without the job's token (the Secret the operator made) is
     refused by the coordinator (401) and by a server (UNAUTHENTICATED), and nothing changes."""
