@@ -184,3 +184,34 @@ def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_
     assert api.get("/v1/status").json()["step"] == 0
     assert report(3, stopped=1, resumed=1) == 200
     assert api.get("/v1/status").json()["step"] == 3
+
+
+def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp_path):
+    """The launcher asks for a shard's recovery from a status read before its restore completed; under a
+    checkpoint strategy that request only reports, and must not open a record nothing completes (the launcher
+    waits for every record to complete: a bench job hung there until its timeout)."""
+    import time
+
+    ctx = make_ctx(
+        servers__replicas=3,
+        faultTolerance__strategy="checkpoint",
+        faultTolerance__checkpoint__path=str(tmp_path / "ckpt"),
+    )
+    alive = {f"h:{s}" for s in range(3)}
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: addr in alive)
+    api = TestClient(create_app(coord))
+    for s in range(3):
+        r = api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+        assert r.status_code == 200
+    assert api.post("/recoveries", json={"shard": 1}).status_code == 409  # it has not failed
+    assert api.get("/recoveries").json() == []
+    alive.discard("h:1")
+    api.post("/v1/failures", json={"shard": 1})
+    r = api.post(
+        "/v1/servers/register", json={"shard": 1, "address": "h:9", "instance": "r1", "replacement": True}
+    )
+    assert r.status_code == 200
+    with coord.lock:
+        coord.complete_restore(1, 0, time.time())
+    assert api.post("/recoveries", json={"shard": 1}).status_code == 200  # late: answers the record
+    assert [r["state"] for r in api.get("/recoveries").json()] == ["completed"]

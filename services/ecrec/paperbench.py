@@ -1004,6 +1004,14 @@ COLORS = {
 }
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Every figure ends the same way: laid out, written at one resolution, its memory freed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run_label(run: dict) -> str:
     if run["strategy"] == "none":
         return "No FT"
@@ -1043,10 +1051,7 @@ def fig_overhead(results: dict, path: Path) -> Path:
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _series(run: dict, key: str) -> tuple[list, list]:
@@ -1087,10 +1092,7 @@ def fig_timeline(results: dict, names: list[str], title: str, path: Path) -> Pat
     bottom.set_xlabel("seconds since training started (vertical lines: kill; dotted: mean throughput)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fig_recovery(results: dict, path: Path) -> Path:
@@ -1145,10 +1147,7 @@ def fig_recovery(results: dict, path: Path) -> Path:
     ax.set_title("Time to fully recover a failed server (paper Fig. 12)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fig_load(results: dict, path: Path) -> Path:
@@ -1173,10 +1172,7 @@ def fig_load(results: dict, path: Path) -> Path:
     ax.axhline(1, color="grey", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fig_baselines(results: dict, path: Path) -> Path:
@@ -1231,10 +1227,7 @@ def fig_baselines(results: dict, path: Path) -> Path:
     right.axhline(0, color="grey", linewidth=0.8)
     right.grid(axis="y", alpha=0.3)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def fig_entry_width(results: dict, path: Path) -> Path:
@@ -1260,10 +1253,7 @@ def fig_entry_width(results: dict, path: Path) -> Path:
     ax.axhline(0, color="grey", linewidth=0.8)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 FIGURES = {
