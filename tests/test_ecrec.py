@@ -108,17 +108,14 @@ def test_server_killed_at_each_protocol_step_keeps_i1_and_i2(tmp_path, baseline,
     assert report["params_sha256"] == baseline
 
 
-def test_a_hung_server_is_declared_failed_and_deleted_as_a_pod_is_and_nothing_is_applied_twice(
+def test_a_server_hung_with_a_commit_unanswered_is_declared_failed_and_nothing_is_applied_twice(
     tmp_path, baseline
 ):
     # Server 1 hangs (SIGSTOP) right after committing a part, its answer unsent. The worker keeps asking
     # (an unanswered commit is not an abort) until the coordinator declares it failed, then commits on its
-    # behalf. The supervisor deletes it as the operator deletes a pod: SIGTERM + SIGCONT, so the process wakes
-    # up and runs its shutdown with its stale state. Bit-identical to the run without a failure.
+    # behalf; the supervisor kills the hung process. Bit-identical to the run without a failure.
     report = run_local(det_ctx("hung"), tmp_path, progress=False, fault="server-1:commit:after_apply@15!stop")
     assert report["fault"]["fired"]
-    log = (tmp_path / "logs" / "server-1.log").read_text()  # the hung process's lines, then its replacement's
-    assert -1 < log.find("shard 1 stopped") < log.find("(replacement, empty)"), log  # it woke and shut down
     assert_consistent(report)
     assert report["params_sha256"] == baseline
 

@@ -31,7 +31,6 @@ from ecrec.jobctx import JobContext
 from ecrec.spec import JobSpec
 
 PR_SET_PDEATHSIG = 1
-DELETE_GRACE_SECONDS = 10.0  # as the operator's pods (terminationGracePeriodSeconds)
 
 
 class JobFailed(RuntimeError):
@@ -71,7 +70,6 @@ class Child:
     index: int = 0  # shard id or rank
     incarnation: int = 1
     instance: str = ""  # the id it registers with at the coordinator
-    kill_at: float | None = None  # deleted: monotonic time of its SIGKILL if it has not exited by then
 
     @property
     def alive(self) -> bool:
@@ -81,8 +79,7 @@ class Child:
         """This process in the reconciler's terms (a signal n reads as exit code 128 + n, as in a pod)."""
         code = self.proc.poll() if self.proc is not None else None
         if code is None:
-            state = "deleting" if self.kill_at is not None else "running"
-            return Proc(self.role, self.index, self.incarnation, state, self.instance)
+            return Proc(self.role, self.index, self.incarnation, "running", self.instance)
         exit_code = code if code >= 0 else 128 - code
         return Proc(
             self.role,
@@ -232,27 +229,6 @@ class LocalCluster:
             child.proc.send_signal(sig)
             child.proc.wait()
 
-    def delete(self, instance: str, grace: float = DELETE_GRACE_SECONDS) -> None:
-        """What deleting its pod does: SIGTERM, then SIGCONT so that a paused process handles it too, and
-        SIGKILL `grace` seconds later (reap). A process declared failed while paused thus wakes up and runs
-        its shutdown, as it would on Kubernetes: the protocol must hold against what it does then."""
-        for c in self.history:
-            if c.instance == instance and c.alive and c.kill_at is None:
-                c.proc.terminate()
-                try:
-                    os.kill(c.proc.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                c.kill_at = time.monotonic() + grace
-
-    def reap(self) -> None:
-        """SIGKILL the deleted processes whose grace period is over."""
-        now = time.monotonic()
-        for c in self.history:
-            if c.kill_at is not None and c.kill_at <= now and c.alive:
-                c.proc.kill()
-                c.proc.wait()
-
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop workers, then servers, then the coordinator: SIGTERM, then SIGKILL after `grace` seconds."""
         order = sorted(
@@ -383,7 +359,6 @@ class Supervisor:
 
     def tick(self, cluster: LocalCluster, status: dict | None) -> None:
         """One pass; `status` is None while no coordinator answers."""
-        cluster.reap()
         if status is not None:
             self.resume = status.get("resume") or self.resume
             self.started_at = status.get("startedAt")
@@ -464,7 +439,9 @@ class Supervisor:
         elif a.kind == "adopt":
             cluster.adopt(a.instance, a.index, a.incarnation)
         elif a.kind == "delete":
-            cluster.delete(a.instance)
+            for c in cluster.history:
+                if c.instance == a.instance:
+                    c.proc.kill()
         elif a.kind in ("report_failed", "start_recovery", "report_worker_lost"):
             try:
                 self._tell_coordinator(cluster, a)
