@@ -362,7 +362,9 @@ class Worker:
             decisions: dict[int, list[tuple[str, int, bool]]] = {}
             for part, batches in staged:
                 if undelivered & {b.parity_server for b in batches}:
-                    self._try(part.target, "abort", part.txn)
+                    if self._try(part.target, "abort", part.txn) is LOST:  # it cannot tell them: we do
+                        for b in batches:
+                            decisions.setdefault(b.parity_server, []).append((part.txn, part.target, False))
                     continue
                 outcome = self._try(part.target, "commit", part.txn)
                 if outcome is LOST:

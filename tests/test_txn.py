@@ -304,6 +304,33 @@ def test_a_row_update_committed_ahead_of_its_predecessor_waits_for_it():
     assert torch.equal(bits(pp.parity), bits(want))
 
 
+def test_a_later_delta_of_the_same_row_from_the_same_server_proves_the_earlier_one_committed():
+    pp = parity_participant()
+    pp.stage(batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1], seed=13))
+    assert not pp.proves_commit("t1", 2)  # nothing later
+    pp.stage(batch("d1", 2, index=[0], slot=[3], version=[2], seed=14))  # a degraded write, not 2's own
+    pp.stage(batch("u1", 1, index=[0], slot=[1], version=[2], seed=15))  # another member of the record
+    assert not pp.proves_commit("t1", 2, exclude={"d1"})
+    assert pp.proves_commit("t1", 2)  # were d1 server 2's own, its stage would prove t1's commit
+    pp.abort("d1", 2)
+    pp.stage(batch("t2", 2, index=[1], slot=[3], version=[2], seed=16))
+    assert pp.commit("t2", 2) == "committed" and [h.txn for h in pp.held] == ["t2"]
+    assert pp.proves_commit("t1", 2)  # held: committed on top of t1
+
+
+def test_held_rows_that_no_staged_delta_can_complete_are_dropped_as_orphans():
+    pp = parity_participant()
+    before = pp.parity.clone()
+    pp.stage(batch("t2", 2, index=[0, 1], slot=[3, 3], version=[2, 2], seed=13))
+    pp.stage(batch("t1", 2, index=[1], slot=[3], version=[1], seed=14))  # row 1's predecessor only
+    assert pp.commit("t2", 2) == "committed" and len(pp.held) == 1
+    assert pp.drop_orphans() == 1  # record 0's version-2 delta: nothing staged brings it to version 1
+    assert [h.index.tolist() for h in pp.held] == [[1]]
+    assert pp.commit("t1", 2) == "committed" and pp.held == []
+    assert pp.pver[0].tolist() == [0, 0, 0, 0] and pp.pver[1].tolist() == [0, 0, 0, 2]
+    assert torch.equal(bits(pp.parity[0]), bits(before[0]))  # the record keeps the cut it had
+
+
 def test_undecided_deltas_expire_for_the_adapter_to_resolve():
     pp = parity_participant()
     pp.stage(batch("t1", 2, index=[0], slot=[3], version=[1]), now=10.0)

@@ -452,7 +452,7 @@ class PSClient:
             ready = []
             for part, deltas in staged:
                 if undelivered & {d.parity_server for d in deltas}:
-                    self._abort_part(part)  # it tells the parity servers that did get its deltas
+                    self._abort_part(part, deltas)  # it tells the parity servers that did get its deltas
                 else:
                     ready.append((part, deltas))
             # (3) commit
@@ -566,10 +566,10 @@ class PSClient:
                 return "gone"
             return outcome
 
-    def _queue_decisions(self, part: Part, deltas: list) -> None:
+    def _queue_decisions(self, part: Part, deltas: list, commit: bool = True) -> None:
         with self._decisions_lock:
             for d in deltas:
-                decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=True)
+                decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=commit)
                 self._decisions.setdefault(d.parity_server, []).append(decision)
 
     def _take_decisions(self, server: int) -> list:
@@ -652,12 +652,16 @@ class PSClient:
         )
         return self._call(part.target, "Stage", req)
 
-    def _abort_part(self, part: Part) -> None:
-        """Abort a part on a live server whose stage answer we lost (it aborts and tells its parity servers)."""
+    def _abort_part(self, part: Part, deltas: list = ()) -> None:
+        """Abort a part at its server (it aborts and tells its parity servers). If the server cannot be
+        reached, the parity servers that got `deltas` are told by this worker: no Commit was sent for the
+        part (its deltas did not all arrive), so aborting it on the server's behalf is its only outcome."""
         try:
             self.stubs[part.target].Abort(pb.TxnRequest(epoch=self.epoch, txn=part.txn), timeout=self.timeout)
         except grpc.RpcError as e:
             log.warning("could not abort %s at server %d: %s", part.txn, part.target, e.code().name)
+            if deltas and e.code() in UNREACHABLE:
+                self._queue_decisions(part, deltas, commit=False)
 
     # -- whole records ---------------------------------------------------------------------------------
     def read_records(self, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:

@@ -980,6 +980,20 @@ class ShardStore:
         for b in batches:  # all checked before any is staged
             self.check_deltas(b)
         with self.lock:
+            if not immediate:
+                # Deltas of a part its data server staged before it died, delivered only after this server
+                # learned of the failure: a degraded write of the same rows may be staged here already,
+                # built on the version these deltas also build on, and only one of two such updates can
+                # reach the record (the other would be skipped as a duplicate, while the acting home's
+                # materialized rows hold it). Refused; the worker aborts the part and retries it as a
+                # degraded write. Deltas that arrived before the failure are staged, and degraded writes
+                # of their rows wait for their decision (_staged_from_rows).
+                gone = sorted({b.src for b in batches if self.peers.is_failed(b.src)})
+                if gone:
+                    raise NotOwner(
+                        f"deltas: shard {gone[0]} is failed in this server's cluster map (epoch {self.epoch}):"
+                        " retry the part as a degraded write"
+                    )
             now = self.clock()
             for b in batches:
                 if immediate:

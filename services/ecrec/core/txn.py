@@ -252,8 +252,9 @@ class ParityParticipant:
         the record's version and theirs. Under two-phase commit a predecessor is staged here before its data
         server commits it, so a gap no staged delta fills was resolved as aborted — decided without its data
         server, which had died (`proves_commit` keeps that from happening where a later delta proves the
-        commit; this is for a later delta that arrived after the drop). The record then stays at the last
-        version it holds, a consistent cut. Returns the rows dropped."""
+        commit; this is for a later delta that arrived after the drop, staged because a replacement had registered
+        by then). The record then stays at the last version it holds, a consistent cut. Returns the rows
+        dropped."""
         if not self.held:
             return 0
         staged = [b for bs in self.staged.values() for b in bs]
