@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,27 @@ def processes_mentioning(text: str) -> list[int]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def ctrl_c_reaches_it() -> None:
+    """preexec_fn for a launcher the tests stop with Ctrl-C (SIGINT). A shell that runs the suite in the
+    background (`make test &`, nohup, CI runners without a terminal) starts it with SIGINT ignored, an ignored
+    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler: the tests' Ctrl-C
+    would reach nobody, and the job would run on, taking the CPU from every later test."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def stop_with_ctrl_c(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """Ctrl-C the launcher and wait; one that does not stop in time is killed (its children follow it:
+    PR_SET_PDEATHSIG) before the test fails, so nothing outlives the test."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the launcher did not stop within {timeout:g}s of Ctrl-C") from None
+    return proc.returncode
+
+
 def start_background_job(out: Path, *sets: str, capture: bool = False) -> subprocess.Popen:
     """`ecrec local examples/local-small.yaml` (tiny model, endless steps) as a child process writing to `out`."""
     overrides = [a for s in ("training.steps=100000", "model.preset=tiny", *sets) for a in ("--set", s)]
@@ -67,6 +89,7 @@ def start_background_job(out: Path, *sets: str, capture: bool = False) -> subpro
         stdout=pipe,
         stderr=pipe,
         text=True,
+        preexec_fn=ctrl_c_reaches_it,
     )
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.conftest import ctrl_c_reaches_it
+
 REPO = Path(__file__).resolve().parents[1]
 FETCH = REPO / "hack" / "fetch-prometheus"
 
@@ -269,7 +271,12 @@ def local_job(out: Path, sets: tuple[str, ...] = ENDLESS, kill: str = "2@3"):
     argv += [a for s in sets for a in ("--set", s)] + (["--kill", kill] if kill else [])
     with open(out / "launcher.log", "ab") as log:
         proc = subprocess.Popen(
-            argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=ctrl_c_reaches_it,
         )
     job = Job(proc, out)
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from ecrec.local import run_local
-from tests.conftest import make_ctx, start_background_job
+from tests.conftest import make_ctx, start_background_job, stop_with_ctrl_c
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +172,6 @@ def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tm
 
 def test_verify_checks_a_running_job(tmp_path):
     import json
-    import signal
     import subprocess
     import sys
     import time
@@ -212,8 +211,7 @@ def test_verify_checks_a_running_job(tmp_path):
         assert code == 0 and result["stripes"] > 0 and result["mismatches"] == 0, result
         # (that the check catches a corrupted record is shown over gRPC in tests/test_server.py)
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        stop_with_ctrl_c(proc)
 
 
 def test_chaos_kills_random_servers_one_at_a_time_and_recovers_each(tmp_path):

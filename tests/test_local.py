@@ -126,7 +126,12 @@ def test_ctrl_c_stops_every_process(tmp_path):
     time.sleep(3.0)  # let training get going
     assert len(processes_mentioning(str(out))) >= 3
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it did not stop: kill it (its children follow) before the test fails
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert processes_mentioning(str(out)) == []
 
