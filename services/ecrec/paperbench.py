@@ -1012,6 +1012,14 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _finish_bars(ax, baseline: float | None = 0, fontsize: int = 8, **legend) -> None:
+    """The bar charts' common finish: a line at the baseline (0% overhead, ratio 1), a y grid, a legend."""
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linewidth=0.8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=fontsize, **legend)
+
+
 def run_label(run: dict) -> str:
     if run["strategy"] == "none":
         return "No FT"
@@ -1048,9 +1056,7 @@ def fig_overhead(results: dict, path: Path) -> Path:
     ax.set_xlabel("model size (table rows × scale)")
     ax.set_ylabel("training-time overhead vs No FT (%)")
     ax.set_title("Training-time overhead vs model size (paper Fig. 5)")
-    ax.axhline(0, color="grey", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish_bars(ax)
     return _save(plt, fig, path)
 
 
@@ -1145,8 +1151,7 @@ def fig_recovery(results: dict, path: Path) -> Path:
     ax.set_xticks(range(len(scales)), ticks, fontsize=8)
     ax.set_ylabel("seconds from kill")
     ax.set_title("Time to fully recover a failed server (paper Fig. 12)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    _finish_bars(ax, baseline=None, fontsize=7, ncol=2)
     return _save(plt, fig, path)
 
 
@@ -1169,9 +1174,7 @@ def fig_load(results: dict, path: Path) -> Path:
     ax.set_xticks(range(n), [f"server {j}" for j in range(n)])
     ax.set_ylabel("row updates / mean over servers")
     ax.set_title("Load per server, no failure (paper §5.2)")
-    ax.axhline(1, color="grey", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish_bars(ax, baseline=1)
     return _save(plt, fig, path)
 
 
@@ -1224,9 +1227,7 @@ def fig_baselines(results: dict, path: Path) -> Path:
     )
     right.set_ylabel("AUC − AUC of No FT without failure")
     right.set_title("Final AUC after one failure")
-    right.axhline(0, color="grey", linewidth=0.8)
-    right.grid(axis="y", alpha=0.3)
-    right.legend(fontsize=8)
+    _finish_bars(right)
     return _save(plt, fig, path)
 
 
@@ -1250,9 +1251,7 @@ def fig_entry_width(results: dict, path: Path) -> Path:
     ax.set_xticks(list(xs), [f"{r['config']}\n{r['rows']:,} rows × {r['dim']}" for r in rows], fontsize=8)
     ax.set_ylabel("training-time overhead vs No FT (%)")
     ax.set_title("Effect of entry width (paper §5.2)")
-    ax.axhline(0, color="grey", linewidth=0.8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    _finish_bars(ax)
     return _save(plt, fig, path)
 
 

@@ -31,38 +31,58 @@ def claim_manifest() -> str:
     )
 
 
-def test_a_deleted_server_pod_rolls_the_job_back_to_the_checkpoint_on_the_claim(kube, kubelet, operator):  # noqa: F811
-    name = "e2e-ckpt-kill"
+def start(kube, name: str, strategy: str, settings: dict) -> None:
+    """The claim and a job of STEPS steps under `strategy` whose checkpoints go to it."""
     kube.kubectl("apply", "-f", "-", input=claim_manifest())
     overrides = {
         "training.steps": STEPS,
-        "faultTolerance.strategy": "checkpoint",
-        "faultTolerance.checkpoint": {"intervalSteps": 100, "volumeClaim": CLAIM},
+        "faultTolerance.strategy": strategy,
+        f"faultTolerance.{strategy}": {"intervalSteps": 100, "volumeClaim": CLAIM, **settings},
     }
     kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
 
-    def checkpointed():
-        st = get_job(kube, name).get("status") or {}
-        assert st.get("phase") != "Failed", st
-        return (st.get("checkpointing") or {}).get("lastCheckpoint", 0) >= 1
 
-    wait_for("a first checkpoint", checkpointed, timeout=240)
-    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=2")
+def checkpointing(kube, name: str) -> dict:
+    """status.checkpointing of a job that has not failed."""
+    st = get_job(kube, name).get("status") or {}
+    assert st.get("phase") != "Failed", st
+    return st.get("checkpointing") or {}
+
+
+def delete_pod_while_training(kube, name: str, role: str, shard: int | None = None) -> None:
+    """kubectl delete the job's pod of `role` (and shard), checking first that training is far from over: a
+    kill after the final checkpoint tests nothing (with 600 steps a CI run's kill came after it)."""
+    step = get_job(kube, name)["status"]["step"]
+    assert step < STEPS - 100, f"training was nearly over (step {step}) before the {role} could go"
+    selector = f"ecrec.dev/job={name},ecrec.dev/role={role}" + (
+        f",ecrec.dev/shard={shard}" if shard is not None else ""
+    )
+    (victim,) = pods(kube, selector)
     kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
 
-    def rolled_back():
-        st = get_job(kube, name).get("status") or {}
-        assert st.get("phase") != "Failed", st
-        ckpt = st.get("checkpointing") or {}
-        return ckpt.get("rollbacks", 0) >= 1 and st["phase"] == "Running"  # every shard up again
 
-    wait_for("the rollback", rolled_back, timeout=240)
+def assert_recovered_and_trained(status: dict, shard: int) -> None:
+    recs = [r for r in status["recoveries"] if r["shard"] == shard]
+    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
+    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+
+
+def test_a_deleted_server_pod_rolls_the_job_back_to_the_checkpoint_on_the_claim(kube, kubelet, operator):  # noqa: F811
+    name = "e2e-ckpt-kill"
+    start(kube, name, "checkpoint", {})
+    wait_for(
+        "a first checkpoint", lambda: checkpointing(kube, name).get("lastCheckpoint", 0) >= 1, timeout=240
+    )
+    delete_pod_while_training(kube, name, "server", shard=2)
+
+    def rolled_back():
+        ckpt = checkpointing(kube, name)
+        return ckpt.get("rollbacks", 0) >= 1 and get_job(kube, name)["status"]["phase"] == "Running"
+
+    wait_for("the rollback", rolled_back, timeout=240)  # every shard up again
     # Then the coordinator: its successor takes over from the newest checkpoint on the claim and rolls back
     # to it (docs/protocol.md, "Checkpoint strategies", Coordinator failover).
-    step = get_job(kube, name)["status"]["step"]
-    assert step < STEPS - 100, f"training was nearly over (step {step}) before the coordinator could go"
-    (coordinator,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=coordinator")
-    kube.kubectl("delete", "pod", "-n", NS, coordinator["metadata"]["name"], "--wait=false")
+    delete_pod_while_training(kube, name, "coordinator")
     status = wait_done(kube, name, timeout=600)
 
     ckpt = status["checkpointing"]
@@ -70,9 +90,8 @@ def test_a_deleted_server_pod_rolls_the_job_back_to_the_checkpoint_on_the_claim(
     assert ckpt["committed"]["full"] >= 2 and ckpt["bytesWritten"] > 0, ckpt
     assert ckpt["lastCheckpoint"] > 1 << 20, ckpt  # the final one, by the successor (ids above the old ones)
     assert status["coordinatorIncarnation"] >= 2
-    recs = [r for r in status["recoveries"] if r["shard"] == 2]
-    assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
-    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    assert_recovered_and_trained(status, 2)
+    assert [r for r in status["recoveries"] if r["shard"] == 2][-1]["rowsRecovered"] > 0
     # The checkpoints are on the claim, under the job's own directory: the final one records every rank's end.
     root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "checkpoints"
     manifests = sorted(root.glob("ckpt-*/manifest.json"))
@@ -88,34 +107,23 @@ def test_a_deleted_server_pod_under_cpr_reloads_only_its_shard_and_training_goes
     # CPR through the operator: the replacement loads only its own shard's last checkpoint from the claim;
     # no rollback, and the samples it lost are counted (status.checkpointing.portionOfLostSamples).
     name = "e2e-cpr-kill"
-    kube.kubectl("apply", "-f", "-", input=claim_manifest())
-    overrides = {
-        "training.steps": STEPS,
-        "faultTolerance.strategy": "cpr",
-        "faultTolerance.cpr": {"intervalSteps": 100, "volumeClaim": CLAIM, "path": "cpr"},
-    }
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+    start(kube, name, "cpr", {"path": "cpr"})
 
     def checkpointed():
-        st = get_job(kube, name).get("status") or {}
-        assert st.get("phase") != "Failed", st
-        return (st.get("checkpointing") or {}).get("lastCheckpoint", 0) >= 1 and st.get("step", 0) >= 110
+        return (
+            checkpointing(kube, name).get("lastCheckpoint", 0) >= 1
+            and get_job(kube, name)["status"]["step"] >= 110
+        )
 
     wait_for("a first checkpoint and some steps after it", checkpointed, timeout=240)
     refuses_callers_without_the_token(kube, name)
-    # A kill after the final checkpoint loses nothing (portionOfLostSamples 0): make sure training goes on.
-    step = get_job(kube, name)["status"]["step"]
-    assert step < STEPS - 100, f"training was nearly over (step {step}) before the server could go"
-    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=1")
-    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    delete_pod_while_training(kube, name, "server", shard=1)
     status = wait_done(kube, name, timeout=600)
 
     ckpt = status["checkpointing"]
     assert ckpt["strategy"] == "cpr" and ckpt["rollbacks"] == 0 and ckpt["stepsRedone"] == 0, ckpt
     assert 0 < ckpt["portionOfLostSamples"] < 1 / 5, ckpt  # at most one interval of one shard's five
-    recs = [r for r in status["recoveries"] if r["shard"] == 1]
-    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
-    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    assert_recovered_and_trained(status, 1)
     root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "cpr"
     assert sorted(root.glob("ckpt-*/manifest.json")), sorted(root.parent.rglob("*"))
 
@@ -125,32 +133,19 @@ def test_a_deleted_server_pod_under_checknrun_rolls_back_to_baseline_plus_increm
     # 8 bits, written to the claim; a server pod deleted after an increment is replaced, and every shard rolls
     # back to baseline + increment (the same volume path as checkpoint's, a different writer and reader).
     name = "e2e-cnr-kill"
-    kube.kubectl("apply", "-f", "-", input=claim_manifest())
-    overrides = {
-        "training.steps": STEPS,
-        "faultTolerance.strategy": "checknrun",
-        "faultTolerance.checknrun": {"intervalSteps": 100, "volumeClaim": CLAIM, "path": "cnr"},
-    }
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
+    start(kube, name, "checknrun", {"path": "cnr"})
 
     def incremented():
-        st = get_job(kube, name).get("status") or {}
-        assert st.get("phase") != "Failed", st
-        return ((st.get("checkpointing") or {}).get("committed") or {}).get("increment", 0) >= 1
+        return (checkpointing(kube, name).get("committed") or {}).get("increment", 0) >= 1
 
     wait_for("a baseline and an increment", incremented, timeout=240)
-    step = get_job(kube, name)["status"]["step"]
-    assert step < STEPS - 100, f"training was nearly over (step {step}) before the server could go"
-    (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=3")
-    kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    delete_pod_while_training(kube, name, "server", shard=3)
     status = wait_done(kube, name, timeout=600)
 
     ckpt = status["checkpointing"]
     assert ckpt["strategy"] == "checknrun" and ckpt["rollbacks"] >= 1 and ckpt["stepsRedone"] > 0, ckpt
     assert ckpt["committed"]["full"] >= 1 and ckpt["committed"]["increment"] >= 1, ckpt
-    recs = [r for r in status["recoveries"] if r["shard"] == 3]
-    assert recs and recs[-1]["state"] == "completed", status["recoveries"]
-    assert status["step"] == status["totalSteps"] and 0.5 < status["eval"]["auc"] <= 1.0
+    assert_recovered_and_trained(status, 3)
     root = kubelet.out_dir / "persistentvolumes" / f"{NS}_{CLAIM}" / name / "cnr"
     manifests = [json.loads(m.read_text()) for m in root.glob("ckpt-*/manifest.json")]
     kinds = {
