@@ -59,10 +59,10 @@ def test_pull_and_push_over_grpc_apply_the_optimizer(served):
 def test_dense_chunk_push_updates_param_and_state(served):
     ctx, store, stub = served
     n = store.chunk_len(1)
-    before = stub.PullDense(pb.DensePullRequest(epoch=5, chunk=1)).values
+    before = stub.Pull(pb.PullRequest(epoch=5, dense_chunks=[1])).dense
     grads = torch.ones(n)
     stub.PushDense(pb.DensePushRequest(epoch=5, chunk=1, grads=floats_to_bytes(grads)))
-    after = stub.PullDense(pb.DensePullRequest(epoch=5, chunk=1)).values
+    after = stub.Pull(pb.PullRequest(epoch=5, dense_chunks=[1])).dense
     b, a = torch.frombuffer(before, dtype=torch.float32), torch.frombuffer(after, dtype=torch.float32)
     assert bool((a < b).all())  # a positive gradient moves every parameter down
 
@@ -112,11 +112,25 @@ def test_malformed_push_is_invalid_argument_and_changes_nothing(served, make_req
     assert len(rows) == 4 * ctx.dim * 4
 
 
-def test_unknown_dense_chunk_and_bad_read_are_invalid_argument(served):
-    _, _, stub = served
+def test_one_pull_reads_rows_and_dense_chunks(served):
+    ctx, store, stub = served
+    g = owned_ids(ctx, 1, 5)
+    resp = stub.Pull(pb.PullRequest(epoch=5, ids=ids_to_bytes(g), dense_chunks=[1]))
+    assert torch.equal(torch.frombuffer(resp.rows, dtype=torch.float32).view(5, ctx.dim), store.pull(g))
+    assert torch.equal(torch.frombuffer(resp.dense, dtype=torch.float32), store.pull_dense(1))
+    assert stub.Pull(pb.PullRequest(epoch=5, ids=ids_to_bytes(g))).dense == b""
+
+
+@pytest.mark.parametrize("chunks", [[0], [1, 1], [1, 2**31]])  # shard 1 holds chunk 1 only (no replication)
+def test_unknown_or_repeated_dense_chunk_is_invalid_argument(served, chunks):
+    ctx, _, stub = served
     with pytest.raises(grpc.RpcError) as err:
-        stub.PullDense(pb.DensePullRequest(chunk=0))  # shard 1 holds chunk 1 only (no replication)
+        stub.Pull(pb.PullRequest(ids=ids_to_bytes(owned_ids(ctx, 1, 3)), dense_chunks=chunks))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bad_read_is_invalid_argument(served):
+    _, _, stub = served
     with pytest.raises(grpc.RpcError) as err:
         stub.ReadRecords(pb.ReadRecordsRequest(kind=pb.DATA, start=10**9))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

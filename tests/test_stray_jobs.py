@@ -60,7 +60,7 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
         with auth.channel(shards[0]["address"], token) as ch:
             stub = pb_grpc.ParameterServerStub(ch)
             try:
-                stub.PullDense(pb.DensePullRequest(epoch=2**40, chunk=0), timeout=5)
+                stub.Pull(pb.PullRequest(epoch=2**40, dense_chunks=[0]), timeout=5)
                 answers["epoch"] = "OK"
             except grpc.RpcError as e:
                 answers["epoch"] = e.code()

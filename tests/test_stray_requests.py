@@ -118,15 +118,16 @@ def assert_same(a: tuple, b: tuple) -> None:
 def test_an_epoch_ahead_of_the_coordinator_is_refused_and_never_stored(served):
     before = state_of(served.store)
     refused(
-        lambda: served.stub.PullDense(pb.DensePullRequest(epoch=2**40, chunk=served.shard)),
+        lambda: served.stub.Pull(pb.PullRequest(epoch=2**40, dense_chunks=[served.shard])),
         grpc.StatusCode.FAILED_PRECONDITION,
         "ahead of the coordinator",
     )
     assert served.store.epoch == served.epoch
     assert_same(state_of(served.store), before)
     # Workers on the published map are still served.
-    served.stub.PullDense(pb.DensePullRequest(epoch=served.epoch, chunk=served.shard))
-    served.stub.Pull(pb.PullRequest(epoch=served.epoch, ids=ids_to_bytes(served.ids())))
+    served.stub.Pull(
+        pb.PullRequest(epoch=served.epoch, ids=ids_to_bytes(served.ids()), dense_chunks=[served.shard])
+    )
 
 
 def test_a_newer_epoch_is_adopted_once_the_coordinator_publishes_it():

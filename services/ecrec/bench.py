@@ -202,7 +202,6 @@ def steady_rate(report: dict, start: float = 2.0, end: float | None = None) -> f
 
 TRAINING_RPCS = (
     "Pull",
-    "PullDense",
     "Push",
     "PushDense",
     "Stage",

@@ -31,7 +31,7 @@ from ecrec.metrics import Metrics, latency_snapshot
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import GRPC_OPTIONS
-from ecrec.wire import floats_to_bytes, ids_to_bytes
+from ecrec.wire import bytes_to_floats, floats_to_bytes, ids_to_bytes
 
 log = logging.getLogger("ecrec.client")
 READ_PAGE_ROWS = 1 << 18
@@ -286,47 +286,89 @@ class PSClient:
     def ft(self) -> bool:
         return self.ctx.ecrec and self.http is not None
 
-    # -- embedding rows --------------------------------------------------------------------------------
-    def pull_rows(self, g: torch.Tensor) -> torch.Tensor:
-        """Embedding rows for unique global ids `g` -> float32 [n, dim] (CPU)."""
-        out = torch.empty(g.numel(), self.ctx.dim, dtype=torch.float32)
-        todo = torch.arange(g.numel())
-        retries = Retries(f"pull of {g.numel()} rows", self.progress_timeout)
+    # -- reads: embedding rows and dense parameters ----------------------------------------------------
+    def pull(self, g: torch.Tensor, dense: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding rows for unique global ids `g` -> float32 [n, dim], and (if `dense`) the flat dense
+        parameters, in one round: each server gets one Pull with its shard's rows and the dense chunks it
+        serves (each chunk from its first live replica); rows of a failed shard are degraded reads at their
+        parity servers. What fails is retried on the next pass, on the map as it then is."""
+        ctx = self.ctx
+        out = torch.empty(g.numel(), ctx.dim, dtype=torch.float32)
+        flat = torch.empty(ctx.dense_numel, dtype=torch.float32) if dense else None
+        todo, chunks = torch.arange(g.numel()), list(range(ctx.num_servers)) if dense else []
+        retries = Retries(
+            f"pull of {g.numel()} rows" + (" and the dense parameters" if dense else ""),
+            self.progress_timeout,
+        )
         while True:
-            calls = []
-            for s, pos, _local in self.ctx.placement.group_by_shard(g[todo]):
+            calls, wanted, orphaned, retry_chunks = [], {}, False, []
+            for c in chunks:
+                targets = self.dense_targets(c)
+                if not targets:
+                    orphaned = True
+                    # Both replicas lost: more than this job can rebuild. The coordinator fails the job
+                    # and names the shards; until it does (or a replacement comes), wait like any refusal.
+                    retries.note(-1, "Pull", f"dense chunk {c} has no live replica")
+                    retry_chunks.append(c)
+                    continue
+                wanted.setdefault(targets[0], []).append(c)
+            rows_at: dict[int, torch.Tensor] = {}
+            for s, pos, _local in ctx.placement.group_by_shard(g[todo]):
                 pos = todo[pos]
                 if self.ft and self.failed(s):  # degraded read at the parity servers
-                    pservers, _idx = self.ctx.placement.parity_of(s, self.ctx.placement.local_row(g[pos]))
+                    pservers, _idx = ctx.placement.parity_of(s, ctx.placement.local_row(g[pos]))
                     for p in pservers.unique().tolist():
                         sub = pos[pservers == p]
                         req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))
-                        calls.append((p, sub, self._call(p, "DegradedPull", req), s))
+                        calls.append((p, sub, [], self._call(p, "DegradedPull", req), s))
                 else:
-                    req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]))
-                    calls.append((s, pos, self._call(s, "Pull", req), -1))
+                    rows_at[s] = pos
+            none = torch.empty(0, dtype=torch.int64)
+            for s in sorted(set(rows_at) | set(wanted)):
+                pos, cs = rows_at.get(s, none), wanted.get(s, [])
+                req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]), dense_chunks=cs)
+                calls.append((s, pos, cs, self._call(s, "Pull", req), -1))
             retry, errors = [], []
-            for server, pos, fut, src in calls:
+            for server, pos, cs, fut, src in calls:
                 try:
                     resp = fut.result()
-                    out[pos] = torch.frombuffer(resp.rows, dtype=torch.float32).view(-1, self.ctx.dim)
+                    out[pos] = bytes_to_floats(resp.rows, pos.numel(), ctx.dim, "rows")
+                    if cs:
+                        bounds = [ctx.dense_bounds[c] for c in cs]
+                        values = bytes_to_floats(resp.dense, sum(hi - lo for lo, hi in bounds), 1, "dense")
+                        at = 0
+                        for lo, hi in bounds:
+                            flat[lo:hi] = values[at : at + hi - lo, 0]
+                            at += hi - lo
                     if src >= 0:
                         self._degraded("reads", src, pos.numel())
                 except grpc.RpcError as e:
                     if not self.ft or e.code() not in RETRYABLE:
                         raise ServerUnavailable(server, e) from e
                     retry.append(pos)
+                    retry_chunks += cs
                     errors.append((server, e))
                     retries.note(server, "Pull", e)
-            if not retry:
-                return out
-            if len(retry) < len(calls):
+            if not retry and not retry_chunks:
+                return out, flat
+            if len(errors) < len(calls):
                 retries.progress()
             retries.check()
             for server, e in {s: e for s, e in errors}.items():
                 self._recover_from(server, e)
+            if orphaned:
+                self.refresh()  # a replica may be back: fetch the map
             time.sleep(retries.backoff())
-            todo = torch.cat(retry)
+            todo = torch.cat(retry) if retry else none
+            chunks = retry_chunks
+
+    def pull_rows(self, g: torch.Tensor) -> torch.Tensor:
+        """Embedding rows for unique global ids `g` -> float32 [n, dim] (CPU)."""
+        return self.pull(g, dense=False)[0]
+
+    def pull_dense(self) -> torch.Tensor:
+        """The flat dense parameters."""
+        return self.pull(torch.empty(0, dtype=torch.int64))[1]
 
     def push_rows(self, g: torch.Tensor, grads: torch.Tensor, txn: str = "") -> Pending:
         """Foundation path (strategy none): apply at once, no retries."""
@@ -346,44 +388,6 @@ class PSClient:
         # and the strategy decides what then (docs/protocol.md, "Checkpoint strategies").
         holders = [h for h in self.ctx.dense_holders(chunk) if not (self.ft and self.failed(h))]
         return sorted(holders, key=lambda h: self.states.get(h) != "up")
-
-    def pull_dense(self) -> torch.Tensor:
-        ctx = self.ctx
-        out = torch.empty(ctx.dense_numel, dtype=torch.float32)
-        todo = list(range(ctx.num_servers))
-        retries = Retries("pull of the dense parameters", self.progress_timeout)
-        while True:
-            calls, retry, orphaned = [], [], False
-            for c in todo:
-                targets = self.dense_targets(c)
-                if not targets:
-                    orphaned = True
-                    # Both replicas lost: more than this job can rebuild. The coordinator fails the job
-                    # and names the shards; until it does (or a replacement comes), wait like any refusal.
-                    retries.note(-1, "PullDense", f"dense chunk {c} has no live replica")
-                    retry.append(c)
-                    continue
-                req = pb.DensePullRequest(epoch=self.epoch, chunk=c)
-                calls.append((targets[0], c, self._call(targets[0], "PullDense", req)))
-            for h, c, fut in calls:
-                try:
-                    lo, hi = ctx.dense_bounds[c]
-                    out[lo:hi] = torch.frombuffer(fut.result().values, dtype=torch.float32)
-                except grpc.RpcError as e:
-                    if not self.ft or e.code() not in RETRYABLE:
-                        raise ServerUnavailable(h, e) from e
-                    retries.note(h, "PullDense", e)
-                    self._recover_from(h, e)
-                    retry.append(c)
-            if not retry:
-                return out
-            if len(retry) < len(todo):
-                retries.progress()
-            retries.check()
-            if orphaned:
-                self.refresh()  # a replica may be back: fetch the map
-            time.sleep(retries.backoff())
-            todo = retry
 
     def push_dense(self, grad: torch.Tensor, txn: str = "") -> Pending:
         ctx, grad = self.ctx, grad.to("cpu", torch.float32)

@@ -32,7 +32,6 @@ from ecrec.wire import floats_to_bytes, ids_to_bytes
 GRPC_METHODS = (
     "Pull",
     "Push",
-    "PullDense",
     "PushDense",
     "ReadRecords",
     "Stage",
@@ -154,11 +153,10 @@ class Fuzzer:
         r, ep, dim = self.rng, self._epoch, self.ctx.dim
         bad = r.random() < 0.7
         if method == "Pull":
-            return pb.PullRequest(epoch=ep(), ids=self._ids(shard, bad))
+            chunks = r.choice([[], [shard], [shard, shard], [r.randrange(2**32)]])  # dense chunks too
+            return pb.PullRequest(epoch=ep(), ids=self._ids(shard, bad), dense_chunks=chunks)
         if method == "Push":
             return pb.PushRequest(epoch=ep(), ids=self._ids(shard, True), grads=self._floats(3, dim, True))
-        if method == "PullDense":
-            return pb.DensePullRequest(epoch=ep(), chunk=r.choice([shard, r.randrange(2**32)]))
         if method == "PushDense":
             return pb.DensePushRequest(epoch=ep(), chunk=r.randrange(2**32), grads=self._floats(5, 1, True))
         if method == "ReadRecords":

@@ -370,11 +370,19 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     @rpc("Pull")
     def Pull(self, request, context):
         g = bytes_to_ids(request.ids)
+        chunks = list(request.dense_chunks)
+        if len(set(chunks)) != len(chunks):
+            raise InvalidRequest("dense_chunks: a chunk is named twice")
+        for c in chunks:  # all checked before any is read
+            self.store.chunk_len(c)
         payload = floats_to_bytes(self.store.pull(g))
+        dense = floats_to_bytes(torch.cat([self.store.pull_dense(c) for c in chunks])) if chunks else b""
         m = self.metrics
         m.of(m.rows, kind="pull").inc(g.numel())
         m.of(m.bytes_sent, kind="pull").inc(len(payload))
-        return pb.PullResponse(rows=payload)
+        if dense:
+            m.of(m.bytes_sent, kind="dense").inc(len(dense))
+        return pb.PullResponse(rows=payload, dense=dense)
 
     @rpc("Push")
     def Push(self, request, context):
@@ -385,12 +393,6 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         n = self.store.push(g, grads, request.txn)
         self.metrics.of(self.metrics.rows, kind="push").inc(n)
         return pb.PushResponse(applied=n)
-
-    @rpc("PullDense")
-    def PullDense(self, request, context):
-        payload = floats_to_bytes(self.store.pull_dense(request.chunk))
-        self.metrics.of(self.metrics.bytes_sent, kind="dense").inc(len(payload))
-        return pb.DensePullResponse(values=payload)
 
     @rpc("PushDense")
     def PushDense(self, request, context):

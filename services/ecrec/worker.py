@@ -70,8 +70,8 @@ class Trainer:
         B, T = batch.ids.shape
         g = (batch.ids + self.offsets).reshape(-1)
         uniq, inv = torch.unique(g, return_inverse=True)
-        rows = self.client.pull_rows(uniq)
-        load_dense_(self.model, self.client.pull_dense())
+        rows, dense = self.client.pull(uniq)
+        load_dense_(self.model, dense)
         # The gathered [B, T, dim] tensor is the autograd leaf; its gradient is summed per unique row with
         # index_add_, which is deterministic on CPU (autograd's own scatter for indexing need not be).
         sparse = rows.to(dev)[inv.to(dev)].view(B, T, ctx.dim).requires_grad_(True)

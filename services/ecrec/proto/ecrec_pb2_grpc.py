@@ -44,11 +44,6 @@ class ParameterServerStub:
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.PushRequest.SerializeToString,
                 response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.PushResponse.FromString,
                 _registered_method=True)
-        self.PullDense = channel.unary_unary(
-                '/ecrec.v1.ParameterServer/PullDense',
-                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DensePullRequest.SerializeToString,
-                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DensePullResponse.FromString,
-                _registered_method=True)
         self.PushDense = channel.unary_unary(
                 '/ecrec.v1.ParameterServer/PushDense',
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DensePushRequest.SerializeToString,
@@ -146,12 +141,6 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PullDense(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -272,11 +261,6 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.PushRequest.FromString,
                     response_serializer=ecrec_dot_proto_dot_ecrec__pb2.PushResponse.SerializeToString,
-            ),
-            'PullDense': grpc.unary_unary_rpc_method_handler(
-                    servicer.PullDense,
-                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DensePullRequest.FromString,
-                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.DensePullResponse.SerializeToString,
             ),
             'PushDense': grpc.unary_unary_rpc_method_handler(
                     servicer.PushDense,
@@ -418,33 +402,6 @@ class ParameterServer:
             '/ecrec.v1.ParameterServer/Push',
             ecrec_dot_proto_dot_ecrec__pb2.PushRequest.SerializeToString,
             ecrec_dot_proto_dot_ecrec__pb2.PushResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PullDense(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ecrec.v1.ParameterServer/PullDense',
-            ecrec_dot_proto_dot_ecrec__pb2.DensePullRequest.SerializeToString,
-            ecrec_dot_proto_dot_ecrec__pb2.DensePullResponse.FromString,
             options,
             channel_credentials,
             insecure,
