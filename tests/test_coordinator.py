@@ -109,6 +109,35 @@ def test_throughput_series_from_progress():
     assert series[-1][0] == 2.5
 
 
+def test_a_rollback_shows_as_no_progress_not_a_negative_throughput():
+    # A checkpoint strategy's rollback takes the samples count back; the status schema (samplesPerSecond >= 0)
+    # refused the negative rate, and the operator's reconcile failed until the window had passed it.
+    ctx = make_ctx(workers__replicas=1)
+    now = [100.0]
+    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: True)
+    api = TestClient(create_app(coord))
+    for s in range(2):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
+    steps = [1, 2, 3, None, 2, 3]  # None: the job rolls back to step 1 (as the checkpoint cycle does)
+    for i, step in enumerate(steps, start=1):
+        now[0] = 100.0 + 0.5 * i
+        if step is None:
+            with coord.lock:
+                coord.rolled_back({0: (1, 500)})
+        else:
+            r = api.post(
+                "/v1/workers/progress",
+                json={"rank": 0, "instance": "w0", "step": step, "samples": 500 * step},
+            )
+            assert r.status_code == 200, r.text
+        coord.tick()
+        status = api.get("/v1/status").json()
+        assert status["samplesPerSecond"] >= 0, status["throughputSeries"]
+    rates = [rate for _, rate in api.get("/v1/status").json()["throughputSeries"]]
+    assert min(rates) == 0.0 and max(rates) == 1000.0, rates
+
+
 def test_bad_shard_in_a_heartbeat_is_a_400_and_the_coordinator_keeps_serving():
     ctx = make_ctx(servers__replicas=2)
     api = TestClient(create_app(Coordinator(ctx.job, probe=lambda a, i: True)))

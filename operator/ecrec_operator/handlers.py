@@ -162,7 +162,9 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
 
 
 # -- the reconcile loop ----------------------------------------------------------------------------------
-@kopf.timer(render.GROUP, render.VERSION, render.PLURAL, interval=1.0, initial_delay=0.0)
+# backoff: a pass that raised is retried after 2 s, not kopf's default 60 s (a job's status and its
+# replacements would stand still for a minute).
+@kopf.timer(render.GROUP, render.VERSION, render.PLURAL, interval=1.0, initial_delay=0.0, backoff=2.0)
 def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job: kopf.Index, logger, **_):
     metrics.reconciles.inc()
     now = datetime.datetime.now(datetime.timezone.utc)

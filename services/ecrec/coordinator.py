@@ -195,14 +195,16 @@ class JobProgress:
             self.samples_log.append((now, self.total_samples))
 
     def series(self, window: float = 1.0) -> list[list[float]]:
-        """[seconds since start, samples/s over the trailing `window`] for every logged sample."""
+        """[seconds since start, samples/s over the trailing `window`] for every logged sample. A rollback
+        (checkpoint strategies) takes the samples count back: a window across one shows no progress, 0, not a
+        negative rate (the status schema and the dashboard take throughput as >= 0)."""
         out, j = [], 0
         log_ = self.samples_log
         for i, (t, n) in enumerate(log_):
             while j < i and t - log_[j][0] > window:
                 j += 1
             if i > j and t > log_[j][0]:
-                out.append([round(self.rel(t), 3), round((n - log_[j][1]) / (t - log_[j][0]), 1)])
+                out.append([round(self.rel(t), 3), max(0.0, round((n - log_[j][1]) / (t - log_[j][0]), 1))])
         return out
 
     def recent_rate(self, window: float = 2.0) -> float:
