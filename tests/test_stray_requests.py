@@ -15,12 +15,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from ecrec.coordinator import Coordinator, create_app
+from ecrec.core.txn import DeltaBatch
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import ClusterView, ParameterServicer, start_grpc
 from ecrec.store import MAX_WAITING, ShardStore
-from ecrec.wire import floats_to_bytes, ids_to_bytes
+from ecrec.wire import InvalidRequest, floats_to_bytes, ids_to_bytes
 from tests.conftest import make_ctx
 
 N = 5
@@ -560,3 +561,34 @@ def test_a_restore_of_a_checkpoint_that_was_never_committed_changes_nothing(tmp_
             assert_same(before, state_of(store))
     finally:
         server.stop(None)
+
+
+@pytest.mark.parametrize("servers,k", [(5, 4), (5, 2), (6, 3), (3, 2)])
+def test_the_delta_placement_check_agrees_with_stripe_members_row_by_row(servers, k):
+    """ShardStore.check_deltas checks a batch's source, slots and indices in closed form; placement's
+    stripe_members is the definition. Every (source, slot, index) near both ends of the parity space —
+    padding rows included — is accepted exactly when stripe_members says that member is a real row of the
+    source."""
+    ctx = make_ctx(servers__replicas=servers, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=k)
+    p, w = ctx.placement, ctx.record_width
+    for shard in range(servers):
+        store = ShardStore(ctx, shard)
+        n_par = store.parity.parity.shape[0]
+        indices = sorted({0, 1, n_par // 2, n_par - 2, n_par - 1} & set(range(n_par)))
+        shards, _locs, present = p.stripe_members(shard, torch.tensor(indices))
+        for src in range(servers):
+            if src == shard:
+                continue
+            for slot in range(k):
+                for row, index in enumerate(indices):
+                    b = DeltaBatch(
+                        shard, "w0-1/0.-1.0", src, torch.tensor([index]), torch.tensor([slot]),
+                        torch.zeros(1, w), torch.tensor([1]),
+                    )  # fmt: skip
+                    valid = int(shards[row, slot]) == src and bool(present[row, slot])
+                    try:
+                        store.check_deltas(b)
+                        accepted = True
+                    except InvalidRequest:
+                        accepted = False
+                    assert accepted == valid, (shard, src, slot, index)

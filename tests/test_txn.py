@@ -171,10 +171,13 @@ def test_expired_lists_parts_older_than_the_timeout():
 
 
 # -- ParityParticipant ---------------------------------------------------------------------------------------
-def parity_participant(shard: int = 0, seed: int = 3) -> ParityParticipant:
+def parity_participant(shard: int = 0, seed: int = 3, not_ready=()) -> ParityParticipant:
+    """`not_ready`: records a replacement has not rebuilt yet (the store passes `ready` in the same way)."""
     n = P.parity_rows_on(shard)
     parity = torch.randn(n, W, generator=torch.Generator().manual_seed(seed))
-    return ParityParticipant(shard, P, CODE, parity, torch.zeros(n, K, dtype=torch.int64))
+    ready = torch.ones(n, dtype=torch.bool)
+    ready[list(not_ready)] = False
+    return ParityParticipant(shard, P, CODE, parity, torch.zeros(n, K, dtype=torch.int64), ready)
 
 
 def batch(txn: str, src: int, index, slot, version, seed: int = 4, server: int = 0) -> DeltaBatch:
@@ -250,8 +253,7 @@ def test_parity_deltas_commute_under_xor():
 
 
 def test_not_ready_records_keep_committed_deltas_and_install_replays_only_newer_ones():
-    pp = parity_participant()
-    pp.ready[torch.tensor([1, 2])] = False
+    pp = parity_participant(not_ready=[1, 2])
     pp.pver[0, 0] = 2  # record 0 reflects member 0 up to version 2
     start = pp.parity.clone()
     # One batch over a ready record (0) and two not-ready ones (1, 2).

@@ -476,11 +476,10 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             raise InvalidRequest(
                 f"parity_server: batch for {request.parity_server} sent to {self.store.shard}"
             )
-        batch = DeltaBatch(
+        # Placement is checked by the store (stage_deltas), once for every batch of the message.
+        return DeltaBatch(
             self.store.shard, request.txn, request.src, index.clone(), slot.clone(), delta, version.clone()
         )
-        self.store.check_deltas(batch)
-        return batch
 
     @rpc("Delta", check_epoch=False)
     def Delta(self, request, context):

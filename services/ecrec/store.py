@@ -304,6 +304,8 @@ class ShardStore:
     def _wait_rows(self, locks: RowLocks, rows: torch.Tensor, txn: str, what: str) -> None:
         """Wait for rows held by others: briefly for another worker's part (see ROW_LOCK_WAIT), longer for a
         recovery lock group."""
+        if not locks.busy(rows, txn):
+            return  # the usual case: nothing to wait for, and no need to learn who holds what
         self._wait(lambda: not any(h.startswith(REBUILD_TXN) for h in locks.holders_of(rows)), what)
         self._wait(lambda: not locks.busy(rows, txn), what, timeout=ROW_LOCK_WAIT)
 
@@ -964,15 +966,21 @@ class ShardStore:
             )
         if b.index.numel() == 0:
             return
-        if int(b.index.min()) < 0 or int(b.index.max()) >= self.parity.parity.shape[0]:
+        lo, hi = b.index.aminmax()
+        if int(lo) < 0 or int(hi) >= self.parity.parity.shape[0]:
             raise InvalidRequest("index: parity indices out of range")
-        if int(b.slot.min()) < 0 or int(b.slot.max()) >= p.k:
-            raise InvalidRequest(f"slot: stripe slots are in [0, {p.k})")
         if int(b.version.min()) < 1:
             raise InvalidRequest("version: a delta takes its row to version 1 or later")
-        shards, _locs, present = p.stripe_members(self.shard, b.index)
-        rows = torch.arange(b.index.numel())
-        if not bool(((shards[rows, b.slot] == b.src) & present[rows, b.slot]).all()):
+        # The closed form of placement.stripe_members for one source (a hot path: every delta message):
+        # every stripe whose parity this server holds has its member of shard src at the same slot, and that
+        # member is a real row (not padding) up to some parity index.
+        slot = (b.src - (self.shard - p.k) % n) % n
+        if bool((b.slot != slot).any()):
+            lo, hi = b.slot.aminmax()
+            if int(lo) < 0 or int(hi) >= p.k:
+                raise InvalidRequest(f"slot: stripe slots are in [0, {p.k})")
+            raise InvalidRequest(f"index: not parity records of shard {b.src}'s rows on server {self.shard}")
+        if slot >= p.k or int(hi) * p.k + slot >= p.rows_on(b.src):
             raise InvalidRequest(f"index: not parity records of shard {b.src}'s rows on server {self.shard}")
 
     def stage_deltas(self, batches: list[DeltaBatch], immediate: bool = False) -> None:

@@ -133,12 +133,19 @@ class DataParticipant:
         self, txn: str, rows: torch.Tensor, delta: torch.Tensor, version: torch.Tensor
     ) -> list[DeltaBatch]:
         p, out = self.placement, []
-        if p.r == 0:
+        if p.r == 0 or rows.numel() == 0:
             return out
-        _sigma, slot = p.stripe_of(self.shard, rows)
+        slot = torch.remainder(rows, p.k)
         for j in range(p.r):
-            for server, pos, index in p.group_by_parity(self.shard, rows, j):
-                out.append(DeltaBatch(server, txn, self.shard, index, slot[pos], delta[pos], version[pos]))
+            # The parity server of a row depends only on its slot: sort the part by server once and cut it
+            # into one batch per server (views), instead of gathering every field per server.
+            server, index = p.parity_of(self.shard, rows, j)
+            order = torch.argsort(server, stable=True)
+            servers, counts = torch.unique_consecutive(server[order], return_counts=True)
+            sizes = counts.tolist()
+            fields = [t[order].split(sizes) for t in (index, slot, delta, version)]
+            for g, srv in enumerate(servers.tolist()):
+                out.append(DeltaBatch(srv, txn, self.shard, *(f[g] for f in fields)))
         return out
 
     def commit(self, txn: str) -> torch.Tensor:
@@ -172,7 +179,9 @@ class ParityParticipant:
     code: Code
     parity: torch.Tensor  # [P, W]
     pver: torch.Tensor  # [P, k] int64: member versions the parity reflects
-    ready: torch.Tensor | None = None  # [P] bool; False while a replacement has not rebuilt the record
+    # [P] bool; False while a replacement has not rebuilt the record. Given at construction; then only
+    # `install` changes it.
+    ready: torch.Tensor | None = None
     staged: dict[tuple[str, int], list[DeltaBatch]] = field(default_factory=dict)
     staged_at: dict[tuple[str, int], float] = field(default_factory=dict)
     resolved: OrderedDict = field(default_factory=OrderedDict)
@@ -183,6 +192,8 @@ class ParityParticipant:
     def __post_init__(self) -> None:
         if self.ready is None:
             self.ready = torch.ones(self.parity.shape[0], dtype=torch.bool)
+        # Every record rebuilt (the usual case): `apply` skips its per-row check. Only install sets rows ready.
+        self._all_ready = bool(self.ready.all())
 
     def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
         """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
@@ -305,6 +316,9 @@ class ParityParticipant:
     def apply(self, b: DeltaBatch) -> None:
         """Apply one committed delta batch: rows whose record is not rebuilt yet are kept for the rebuild;
         the others are applied in version order (see _apply_in_order)."""
+        if self._all_ready:
+            self._apply_in_order(b)
+            return
         ready = self.ready[b.index]
         if not bool(ready.all()):
             self.pending.append(_rows(b, ~ready))
@@ -319,15 +333,20 @@ class ParityParticipant:
         is applied; one further ahead is held until its predecessor is applied. Decisions for one row can
         arrive out of order — the worker delivers them after the data server committed, and a later update
         of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
-        cur = self.pver[b.index, b.slot]
-        now = b.version == cur + 1
-        ahead = b.version > cur + 1
-        if bool(ahead.any()):
-            self.held.append(_rows(b, ahead))
-        if not bool(now.any()):
-            return
-        self.code.apply_delta_(self.parity, b.index[now], b.delta[now])
-        self.pver[b.index[now], b.slot[now]] = b.version[now]
+        flat = self.pver.view(-1)
+        key = self._key(b)
+        step = b.version - flat[key]  # 1: next; > 1: ahead of a predecessor; < 1: reflected already
+        if bool((step == 1).all()):  # the usual case, in one pass: no masks
+            self.code.apply_delta_(self.parity, b.index, b.delta)
+            flat[key] = b.version
+        else:
+            now, ahead = step == 1, step > 1
+            if bool(ahead.any()):
+                self.held.append(_rows(b, ahead))
+            if not bool(now.any()):
+                return
+            self.code.apply_delta_(self.parity, b.index[now], b.delta[now])
+            flat[key[now]] = b.version[now]
         if self.held:
             held, self.held = self.held, []
             for h in held:
@@ -338,6 +357,7 @@ class ParityParticipant:
         self.parity[index] = records
         self.pver[index] = versions
         self.ready[index] = True
+        self._all_ready = bool(self.ready.all())
         kept, self.pending = self.pending, []
         for b in kept:
             now_ready = self.ready[b.index]
