@@ -40,3 +40,24 @@ def test_cpu_per_role_comes_from_the_report():
     report = {"cpu": {"per_1000_samples": {"worker": 2.0, "server": 1.0, "coordinator": None}}}
     cpu = _cpu(report)
     assert cpu["worker"] == 2.0 and cpu["server"] == 1.0 and math.isnan(cpu["coordinator"])
+
+
+def test_bench_handlers_drives_real_steps_through_every_handler(tmp_path):
+    # Structure, not speed: each case runs the real client and servicers, so the calls per step are the
+    # protocol's (No FT: a pull, a push and a dense push per server; ECRec: a pull, a stage, a delta message
+    # and a commit per server, decisions riding on the stages).
+    from ecrec.handlerbench import bench_handlers
+
+    rows = bench_handlers("examples/local-small.yaml", 3, ["training.batchSize=64"], tmp_path)
+    by_case = {r["case"]: r for r in rows}
+    assert list(by_case) == ["No FT", "ECRec k=2", "ECRec k=4"]
+    calls = {case: {m: v["calls_per_step"] for m, v in r["methods"].items()} for case, r in by_case.items()}
+    assert calls["No FT"] == {"Pull": 5, "Push": 5, "PushDense": 5}
+    for case in ("ECRec k=2", "ECRec k=4"):
+        assert {m: calls[case][m] for m in ("Pull", "Stage", "StageDeltas", "Commit")} == dict.fromkeys(
+            ("Pull", "Stage", "StageDeltas", "Commit"), 5
+        )
+        assert "Push" not in calls[case]
+    assert all(r["handlers_ms"] > 0 and r["client_ms"] >= 0 for r in rows)
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert [w["configuration"] for w in written] == ["No FT", "ECRec k=2", "ECRec k=4"]

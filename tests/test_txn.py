@@ -401,3 +401,36 @@ def test_plan_recovery_covers_every_row_and_parity_index_exactly_once(data_rows,
 def test_plan_recovery_rejects_empty_lock_groups(group):
     with pytest.raises(ValueError):
         plan_recovery(10, 2, group)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 7).flatmap(
+        lambda n: st.tuples(
+            st.just(n), st.integers(1, n - 1), st.integers(0, n - 1), st.sets(st.integers(0, 40), max_size=30)
+        )
+    )
+)
+def test_a_parts_delta_batches_are_its_rows_grouped_by_parity_server(case):
+    # DataParticipant.delta_batches cuts a part by stripe slot; the definition is placement's parity_of.
+    n, k, shard, local = case
+    p = Placement(num_servers=n, k=k, num_rows=n * 45)
+    dp = DataParticipant(
+        shard,
+        p,
+        CODE,
+        OPT,
+        torch.zeros(p.rows_on(shard), W),
+        torch.zeros(p.rows_on(shard), dtype=torch.int64),
+    )
+    part = torch.tensor(sorted(local), dtype=torch.int64)
+    delta = torch.randn(part.numel(), W)
+    version = torch.arange(part.numel()) + 1
+    batches = dp.delta_batches("t", part, delta, version)
+    expected = p.group_by_parity(shard, part)
+    assert [b.parity_server for b in batches] == [server for server, _pos, _index in expected]
+    _sigma, slot = p.stripe_of(shard, part)
+    for b, (_server, pos, index) in zip(batches, expected, strict=True):
+        assert torch.equal(b.index, index) and torch.equal(b.slot, slot[pos])
+        assert torch.equal(bits(b.delta), bits(delta[pos])) and torch.equal(b.version, version[pos])
+        assert b.src == shard and b.txn == "t"

@@ -234,6 +234,13 @@ def cmd_bench_overhead(args) -> int:
     return 0
 
 
+def cmd_bench_handlers(args) -> int:
+    from ecrec.handlerbench import bench_handlers
+
+    bench_handlers(args.job, args.steps, args.set or [], Path(args.out))
+    return 0
+
+
 def cmd_bench_recovery(args) -> int:
     from ecrec.bench import bench_recovery
 
@@ -465,6 +472,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-overhead")
     p.set_defaults(fn=cmd_bench_overhead)
+
+    p = bench.add_parser(
+        "handlers",
+        help="CPU per worker step in the servers' handlers and the client, in-process, No FT vs ECRec",
+    )
+    p.add_argument("--job", default="examples/local-small.yaml")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--set", action="append", metavar="PATH=VALUE")
+    p.add_argument("--out", default="out/bench-handlers")
+    p.set_defaults(fn=cmd_bench_handlers)
 
     p = bench.add_parser(
         "recovery", help="kill a server: time to continue, throughput, time to full recovery"

@@ -135,17 +135,19 @@ class DataParticipant:
         p, out = self.placement, []
         if p.r == 0 or rows.numel() == 0:
             return out
+        # A row's parity server depends only on its stripe slot (placement.parity_of): sort the part by slot
+        # once and cut it into one batch per slot (views), instead of gathering every field per server.
         slot = torch.remainder(rows, p.k)
+        index = torch.div(rows, p.k, rounding_mode="floor")
+        order = torch.argsort(slot, stable=True)
+        sizes = torch.bincount(slot, minlength=p.k).tolist()
+        fields = [t[order].split(sizes) for t in (index, slot, delta, version)]
         for j in range(p.r):
-            # The parity server of a row depends only on its slot: sort the part by server once and cut it
-            # into one batch per server (views), instead of gathering every field per server.
-            server, index = p.parity_of(self.shard, rows, j)
-            order = torch.argsort(server, stable=True)
-            servers, counts = torch.unique_consecutive(server[order], return_counts=True)
-            sizes = counts.tolist()
-            fields = [t[order].split(sizes) for t in (index, slot, delta, version)]
-            for g, srv in enumerate(servers.tolist()):
-                out.append(DeltaBatch(srv, txn, self.shard, *(f[g] for f in fields)))
+            servers = [
+                ((self.shard - i + p.k + j) % p.num_servers, i) for i, size in enumerate(sizes) if size
+            ]
+            for server, i in sorted(servers):  # batches by parity server, ascending
+                out.append(DeltaBatch(server, txn, self.shard, *(f[i] for f in fields)))
         return out
 
     def commit(self, txn: str) -> torch.Tensor:

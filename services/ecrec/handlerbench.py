@@ -1,0 +1,162 @@
+"""`ecrec bench handlers`: where a worker step's CPU goes in the code itself, without gRPC or other processes.
+
+One process holds every server's store and servicer; a real `PSClient` drives real worker steps (pull, then the
+strategy's update) through stubs that call the servicers directly. Measured with the thread's own CPU clock:
+each servicer method (the whole handler: validation, store, protobuf answer), and the client's Python work
+(process CPU minus the handlers'). What this leaves out — gRPC's per-call machinery, the model's forward and
+backward, contention between processes — is what `ecrec bench overhead` measures whole; together they say how
+much of ECRec's cost is our code and how much is the messages.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from ecrec.bench import Column, emit_table, load_job_with
+from ecrec.client import PSClient
+from ecrec.jobctx import JobContext
+from ecrec.metrics import Metrics
+from ecrec.server import ClusterView, ParameterServicer
+from ecrec.store import ShardStore
+from ecrec.worker import data_source
+
+CASES = [
+    ("No FT", ["faultTolerance.strategy=none"]),
+    ("ECRec k=2", ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=2"]),
+    ("ECRec k=4", ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4"]),
+]
+WARMUP = 10
+
+
+class _Context:
+    """The grpc.ServicerContext a handler sees: no deadline, never cancelled; an abort raises."""
+
+    def time_remaining(self):
+        return None
+
+    def is_active(self) -> bool:
+        return True
+
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+class _Stub:
+    """A server stub whose calls run the servicer's method in this thread, timed per method."""
+
+    def __init__(self, servicer: ParameterServicer, cpu: Counter, calls: Counter):
+        self._servicer, self._cpu, self._calls = servicer, cpu, calls
+
+    def __getattr__(self, method: str):
+        handler, context = getattr(self._servicer, method), _Context()
+
+        def call(request, timeout=None, metadata=None):
+            start = time.thread_time()
+            try:
+                return handler(request, context)
+            finally:
+                self._cpu[method] += time.thread_time() - start
+                self._calls[method] += 1
+
+        return call
+
+
+def _process_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(ctx: JobContext, steps: int) -> dict:
+    """Handler CPU per method and client CPU, per worker step, over `steps` steps after a warm-up."""
+    n = ctx.num_servers
+    cluster = {
+        "epoch": 1,
+        "shards": [
+            {"shard": s, "state": "up", "address": f"in-process:{s}", "incarnation": 1, "instance": f"s{s}"}
+            for s in range(n)
+        ],
+    }
+    cpu, calls = Counter(), Counter()
+    stubs = {}
+    for s in range(n):
+        servicer = ParameterServicer(
+            ShardStore(ctx, s), Metrics(ctx.name, "server", str(s)), ClusterView(snapshot=cluster), epoch=1
+        )
+        stubs[s] = _Stub(servicer, cpu, calls)
+    # A coordinator address makes the client run the fault-tolerant path; nothing here fails, so it is never
+    # called.
+    client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "")
+    try:
+        for s in range(n):
+            client.stubs[s] = stubs[s]
+        data, batch_size = data_source(ctx), ctx.spec.training.batch_size
+        gen = torch.Generator().manual_seed(0)
+        start_cpu = 0.0
+        for step in range(WARMUP + steps):
+            if step == WARMUP:
+                cpu.clear()
+                calls.clear()
+                start_cpu = _process_cpu()
+            batch = data.batch(step, batch_size)
+            uniq = torch.unique((batch.ids + ctx.table_offsets).reshape(-1))
+            client.pull(uniq)
+            grads = torch.randn(uniq.numel(), ctx.dim, generator=gen) * 0.01
+            dense = torch.randn(ctx.dense_numel, generator=gen) * 0.01
+            if ctx.ecrec:
+                client.apply_update(f"w0-{step}", uniq, grads, dense)
+            else:
+                client.push_rows(uniq, grads, f"w0-{step}").wait()
+                client.push_dense(dense, f"w0-{step}").wait()
+        total = _process_cpu() - start_cpu
+    finally:
+        client.close()
+    handlers = sum(cpu.values())
+    return {
+        "handlers_ms": 1e3 * handlers / steps,
+        "client_ms": 1e3 * max(0.0, total - handlers) / steps,
+        "methods": {
+            m: {"us_per_call": 1e6 * cpu[m] / calls[m], "calls_per_step": calls[m] / steps} for m in cpu
+        },
+    }
+
+
+def bench_handlers(job: str, steps: int, sets: list[str], out_dir: Path | None) -> list[dict]:
+    torch.set_num_threads(1)  # as a server runs (servers.threads: 1)
+    rows = []
+    for label, case in CASES:
+        ctx = JobContext(load_job_with(job, [*sets, *case]))
+        result = measure(ctx, steps)
+        rows.append({"case": label, **result})
+        per = ", ".join(
+            f"{m} {v['us_per_call']:.0f} us x {v['calls_per_step']:.1f}"
+            for m, v in sorted(result["methods"].items(), key=lambda kv: -kv[1]["us_per_call"])
+        )
+        print(f"  {label}: {per}", flush=True)
+    base = rows[0]
+    columns = [
+        Column("configuration", lambda r: r["case"]),
+        Column("handler CPU ms / step", lambda r: round(r["handlers_ms"], 3), "{:.2f}"),
+        Column("client CPU ms / step", lambda r: round(r["client_ms"], 3), "{:.2f}"),
+        Column(
+            "handler CPU vs No FT",
+            lambda r: round(r["handlers_ms"] / base["handlers_ms"], 3),
+            "{:.2f}",
+        ),
+        Column("RPCs / step", lambda r: round(sum(v["calls_per_step"] for v in r["methods"].values()), 2)),
+        Column(
+            "slowest handler",
+            lambda r: max(r["methods"].items(), key=lambda kv: kv[1]["us_per_call"])[0],
+        ),
+        Column(
+            "its us / call",
+            lambda r: round(max(v["us_per_call"] for v in r["methods"].values())),
+            "{:,}",
+        ),
+    ]
+    emit_table(f"# ecrec bench handlers: {job} {' '.join(sets)} steps={steps}", columns, rows, out_dir)
+    return rows
