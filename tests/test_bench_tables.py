@@ -61,3 +61,14 @@ def test_bench_handlers_drives_real_steps_through_every_handler(tmp_path):
     assert all(r["handlers_ms"] > 0 and r["client_ms"] >= 0 for r in rows)
     written = json.loads((tmp_path / "summary.json").read_text())
     assert [w["configuration"] for w in written] == ["No FT", "ECRec k=2", "ECRec k=4"]
+
+
+def test_load_balance_is_the_most_loaded_server_over_the_mean():
+    from ecrec.bench import load_balance
+
+    load = [{"work": 100, "cpu_s": 2.0}, {"work": 300, "cpu_s": 2.0}, {"work": 200, "cpu_s": 2.0}]
+    assert load_balance(load) == {"work": 1.5, "cpu": 1.0}
+    dead = [{"work": 100, "cpu_s": None}, {"work": 0, "cpu_s": 1.0}]  # no CPU report; a server without work
+    got = load_balance(dead)
+    assert got["work"] == 2.0 and math.isnan(got["cpu"])
+    assert all(math.isnan(v) for v in load_balance([]).values())

@@ -28,6 +28,8 @@ def test_a_replacement_counts_from_its_own_registration_and_the_dead_one_keeps_i
     acct.report("server", "s2-b", 1.5)  # its replacement registers
     acct.report("server", "s2-b", 2.0)  # rebuilt and serving
     assert acct.by_role()["server"] == 3.5
+    assert acct.by_instance("server") == {"s2-a": 3.0, "s2-b": 0.5}  # each process's own share
+    assert acct.by_instance("worker") == {}
 
 
 def test_a_stale_or_missing_counter_changes_nothing():

@@ -41,6 +41,13 @@ def test_local_job_trains_reports_and_leaves_no_processes(tmp_path):
     assert cpu["seconds"]["worker"] > 0 and cpu["seconds"]["server"] > 0, cpu
     for role, seconds in cpu["seconds"].items():
         assert cpu["per_1000_samples"][role] == pytest.approx(1000 * seconds / report["samples"], abs=1e-4)
+    # Per server: the rows it updated (each server got its own rows' pushes) and its process's CPU seconds.
+    load = report["server_load"]
+    assert [s["shard"] for s in load] == [0, 1], load
+    assert all(s["work"] == s.get("push", 0) > 0 and "stage" not in s for s in load), (
+        load
+    )  # No FT: pushes only
+    assert all(s["cpu_s"] > 0 for s in load), load  # matched to the shard by its process's instance
     assert processes_mentioning(str(tmp_path)) == []
 
 

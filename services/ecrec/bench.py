@@ -266,6 +266,7 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list
                 "auc": report["eval"]["auc"],
                 "rpcs_per_step": rpcs_per_step(report),
                 "cpu": _cpu(report),
+                "load": load_balance(report.get("server_load") or []),
             }
         )
         print(
@@ -287,10 +288,27 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list
         ),
         Column("server RPCs per worker step", lambda r: _round(r["rpcs_per_step"], 2), "{:.1f}"),
         *cpu_columns(),
+        Column("server work max/mean", lambda r: _round(r["load"]["work"], 3), "{:.2f}"),
+        Column("server CPU max/mean", lambda r: _round(r["load"]["cpu"], 3), "{:.2f}"),
         Column("eval AUC", lambda r: r["auc"], "{:.4f}"),
     ]
     emit_table(f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}", columns, rows, out_dir)
     return rows
+
+
+def load_balance(server_load: list[dict]) -> dict[str, float]:
+    """Most-loaded server over the mean, by rows updated (pushed, staged, parity deltas) and by CPU seconds
+    (ecrec.local.server_load); NaN where a server did not report (it died: its counters died with it)."""
+
+    def ratio(values: list) -> float:
+        if not values or any(v is None for v in values) or not statistics.mean(values) > 0:
+            return float("nan")
+        return max(values) / statistics.mean(values)
+
+    return {
+        "work": ratio([s.get("work") for s in server_load]),
+        "cpu": ratio([s.get("cpu_s") for s in server_load]),
+    }
 
 
 def load_job_with(path: str, overrides: list[str]):

@@ -526,6 +526,7 @@ def run_local(
         if recoverable:
             _wait_recovered(cluster, supervisor)
         extra["rpcs_served"] = rpcs_served(cluster.get("/cluster"))  # before evaluation adds its reads
+        extra["server_load"] = server_load(cluster.get("/cluster"), status.get("serverCpuSeconds") or {})
         client = PSClient(ctx, cluster.get("/cluster"))
         try:
             if ctx.ecrec:
@@ -620,6 +621,39 @@ def rpcs_served(cluster: dict) -> dict[str, int]:
                     method = sample.labels["method"]
                     out[method] = out.get(method, 0) + int(sample.value)
     return dict(sorted(out.items()))
+
+
+def server_rows(cluster: dict) -> list[dict]:
+    """Per live server, `ecrec_rows_total` by kind (pull, push, stage, delta, ...) from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for shard in cluster["shards"]:
+        url, counts = shard.get("metricsUrl"), {}
+        if url:
+            try:
+                text = httpx.get(url, timeout=5.0).text
+            except httpx.HTTPError:
+                text = ""  # it died after training: its counts died with it
+            for family in text_string_to_metric_families(text):
+                if family.name == "ecrec_rows":
+                    for s in family.samples:
+                        if s.name.endswith("_total"):
+                            counts[s.labels["kind"]] = counts.get(s.labels["kind"], 0) + int(s.value)
+        out.append({"shard": shard["shard"], **counts})
+    return out
+
+
+def server_load(cluster: dict, cpu_by_instance: dict[str, float]) -> list[dict]:
+    """Per shard: the rows it updated — pushed, staged as a data server or acting home, parity deltas taken
+    (`work`) — and the CPU seconds its current process spent since registering. The spread over shards is the
+    load balance of the paper's §5.2."""
+    instances = {s["shard"]: s.get("instance") for s in cluster["shards"]}
+    out = []
+    for r in server_rows(cluster):
+        work = r.get("push", 0) + r.get("stage", 0) + r.get("delta", 0)
+        out.append({**r, "work": work, "cpu_s": cpu_by_instance.get(instances.get(r["shard"]) or "")})
+    return out
 
 
 def _wait_settled(client, txn_timeout: float) -> None:

@@ -28,11 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import httpx
-
 from ecrec.bench import _run, load_job_with, rpcs_per_step, steady_rate
 from ecrec.jobctx import JobContext
-from ecrec.local import machine_description
+from ecrec.local import machine_description, server_rows
 
 # ---------------------------------------------------------------------------------------------------------
 # The papers' own numbers, each with where it is stated. Nothing else in the report is typed in by hand.
@@ -218,23 +216,7 @@ def own_cpu_seconds() -> float:
 
 def _server_rows(status: dict) -> list[dict]:
     """Per server, ecrec_rows_total by kind from its /metrics (the paper counts updates per server)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = []
-    for shard in status["cluster"]["shards"]:
-        url, counts = shard.get("metricsUrl"), {}
-        if url:
-            try:
-                text = httpx.get(url, timeout=5.0).text
-            except httpx.HTTPError:
-                text = ""
-            for family in text_string_to_metric_families(text):
-                if family.name == "ecrec_rows":
-                    for s in family.samples:
-                        if s.name.endswith("_total"):
-                            counts[s.labels["kind"]] = counts.get(s.labels["kind"], 0) + int(s.value)
-        out.append({"shard": shard["shard"], **counts})
-    return out
+    return server_rows(status["cluster"])
 
 
 class Skipped(Exception):

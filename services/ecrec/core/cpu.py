@@ -37,5 +37,11 @@ class CpuAccount:
             out[role] += latest - first
         return {role: round(seconds, 3) for role, seconds in out.items()}
 
+    def by_instance(self, role: str) -> dict[str, float]:
+        """Latest − first per process of `role`: how the role's work is spread (servers' load balance)."""
+        return {
+            i: round(latest - first, 3) for (r, i), (first, latest) in sorted(self._seen.items()) if r == role
+        }
+
     def processes(self, role: str) -> int:
         return sum(1 for r, _ in self._seen if r == role)
