@@ -980,9 +980,8 @@ class Coordinator:
                 "recoveries": [r.to_dict(p.started_at) for r in self.recoveries],
                 **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),
                 "cpuSeconds": self._cpu_seconds(),
-                "serverCpuSeconds": self.cpu.by_instance(
-                    "server"
-                ),  # by instance (cluster shards name theirs)
+                # by server process; the cluster map's shards name their instances
+                "serverCpuSeconds": self.cpu.by_instance("server"),
                 "spares": self.spares.snapshot(),
             }
 

@@ -126,17 +126,21 @@ def measure(ctx: JobContext, steps: int) -> dict:
 
 
 def bench_handlers(job: str, steps: int, sets: list[str], out_dir: Path | None) -> list[dict]:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a server runs (servers.threads: 1)
     rows = []
-    for label, case in CASES:
-        ctx = JobContext(load_job_with(job, [*sets, *case]))
-        result = measure(ctx, steps)
-        rows.append({"case": label, **result})
+    try:
+        for label, case in CASES:
+            ctx = JobContext(load_job_with(job, [*sets, *case]))
+            rows.append({"case": label, **measure(ctx, steps)})
+    finally:
+        torch.set_num_threads(threads)
+    for r in rows:
         per = ", ".join(
             f"{m} {v['us_per_call']:.0f} us x {v['calls_per_step']:.1f}"
-            for m, v in sorted(result["methods"].items(), key=lambda kv: -kv[1]["us_per_call"])
+            for m, v in sorted(r["methods"].items(), key=lambda kv: -kv[1]["us_per_call"])
         )
-        print(f"  {label}: {per}", flush=True)
+        print(f"  {r['case']}: {per}", flush=True)
     base = rows[0]
     columns = [
         Column("configuration", lambda r: r["case"]),
