@@ -210,8 +210,18 @@ def test_cpr_tracks_the_portion_of_lost_samples_and_picks_its_interval_from_the_
     c.tick(10.0)
     c.report(0, 10, 100, False, 1, 0)
     c.written(1, True, now=10.0)
+    c.report(0, 20, 200, False, None, 0)
+    c.failure(2)
+    # The worker trained on to step 30 before the failure stopped it; its report of that comes after the
+    # failure was declared. Lost: 200 samples since the checkpoint, of 1000, on one of 4 servers — counted
+    # when the shard is restored, from what the workers said by then.
     c.report(0, 30, 300, False, None, 0)
-    c.failure(2)  # 200 samples since the checkpoint, of 1000, on one of 4 servers
+    assert c.pls == 0.0
+    [restore] = c.registered(2)
+    assert restore.kind == "restore" and restore.shards == (2,)
+    c.restored((2,), True, now=12.0)
+    assert c.pls == pytest.approx(200 / (1000 * 4))
+    c.restored((2,), True, now=12.5)  # a repeated answer counts nothing twice
     assert c.pls == pytest.approx(200 / (1000 * 4))
     # Eq. 4 and its inverse; full recovery's optimum for comparison (Eq. 1).
     t = cpr_interval(0.1, num_servers=4, mtbf=3600.0)

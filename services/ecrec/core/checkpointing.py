@@ -191,10 +191,6 @@ class CheckpointCycle:
             return []
         self.failed.add(shard)
         self.restoring.discard(shard)
-        if self.total_samples and not self.rolls_back:  # a rollback trains the lost samples again
-            done = sum(w.samples for w in self.workers.values())
-            saved = sum(n for _s, n in self.last.progress.values()) if self.last else 0
-            self.pls += max(0, done - saved) / (self.total_samples * self.num_servers)
         self.pending, self.pending_final = None, False  # a checkpoint missing a shard is never committed
         self.persisting = self.hot_pending = None
         if self.rolls_back:
@@ -330,6 +326,15 @@ class CheckpointCycle:
             self.phase = Phase.TRAINING
             self.last_end = now
         else:
+            # Partial recovery (CPR): the shard lost what it learned since the last checkpoint. Counted now, not
+            # when the failure was declared: the workers' reports then could be up to a report interval old
+            # (a kill just after a checkpoint read as nothing lost), while since then they have stood still
+            # at the step the failure stopped them (every step needs every shard) and said so.
+            back = [s for s in shards if s in self.restoring]
+            if self.total_samples and back:
+                done = sum(w.samples for w in self.workers.values())
+                saved = sum(n for _s, n in self.last.progress.values()) if self.last else 0
+                self.pls += len(back) * max(0, done - saved) / (self.total_samples * self.num_servers)
             self.restoring.difference_update(shards)
         if self.phase is Phase.TRAINING and not self.failed and not self.restoring:
             self._arm()
