@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import grpc
 import torch
 
 from ecrec.jobctx import JobContext
-from ecrec.local import _die_with_parent, free_port, machine_description
+from ecrec.local import die_with, free_port, machine_description
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import GRPC_OPTIONS
@@ -137,7 +138,7 @@ def bench_server(
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with(os.getpid()),
         )
         try:
             channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -37,11 +38,20 @@ class JobFailed(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int | None = None) -> None:  # runs in the child between fork and exec
+    """Have the kernel SIGKILL this child when its parent dies. A parent that died between the fork and this
+    call (SIGKILLed while starting its children) left the child orphaned already: it then kills itself."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with(parent: int):
+    """preexec_fn for children of process `parent` (this one): see _die_with_parent."""
+    return functools.partial(_die_with_parent, parent)
 
 
 def ecrec_command(role: str) -> list[str]:
@@ -148,7 +158,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with(os.getpid()),
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         self.children[name] = child

@@ -845,8 +845,16 @@ def _event_t(run: Run, kind: str, after: float = -1.0) -> float | None:
 
 def ecrec_recovery(run: Run) -> dict:
     """Time to continue, to full recovery, and throughput while degraded/recovering vs before the kill."""
-    if not run.recoveries:
-        return {"run": run.name, "continue_s": None, "full_s": None, "rebuild_s": None, "during_ratio": None}
+    if not run.recoveries:  # the kill came too late on a loaded machine: the same row, without numbers
+        return {
+            "run": run.name,
+            "rows": run.rows,
+            "continue_s": None,
+            "full_s": None,
+            "rebuild_s": None,
+            "during_ratio": None,
+            "parity_mismatches": run.parity_mismatches,
+        }
     rec = run.recoveries[0]
     started = _event_t(run, "recovery_started", rec["killed_at"])
     series = {"throughput_series": run.throughput_series}
