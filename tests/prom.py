@@ -9,7 +9,6 @@ Run as a script it renders the dashboard from such a run (what docs/images/dashb
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from ecrec.local import die_with
 from tests.conftest import ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,13 +63,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # the child must not outlive a killed test run
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class Prometheus:
@@ -117,7 +110,7 @@ class Prometheus:
                 stdin=subprocess.DEVNULL,
                 cwd=self.dir,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with(os.getpid()),  # the child must not outlive a killed test run
             )
         end = time.monotonic() + timeout
         while time.monotonic() < end:

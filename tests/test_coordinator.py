@@ -92,7 +92,9 @@ def test_failure_report_for_a_live_server_is_ignored():
     assert epoch == 1 and api.get("/cluster").json()["shards"][0]["state"] == "up"
 
 
-def test_throughput_series_from_progress():
+def one_worker_training():
+    """A job of two servers and one worker, registered: training has started. Returns the coordinator's clock
+    (a one-element list the test moves), the coordinator and its API."""
     ctx = make_ctx(workers__replicas=1)
     now = [100.0]
     coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: True)
@@ -100,6 +102,11 @@ def test_throughput_series_from_progress():
     for s in range(2):
         api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
     api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
+    return now, coord, api
+
+
+def test_throughput_series_from_progress():
+    now, coord, api = one_worker_training()
     for i in range(1, 6):
         now[0] = 100.0 + 0.5 * i
         api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": i, "samples": 500 * i})
@@ -112,13 +119,7 @@ def test_throughput_series_from_progress():
 def test_a_rollback_shows_as_no_progress_not_a_negative_throughput():
     # A checkpoint strategy's rollback takes the samples count back; the status schema (samplesPerSecond >= 0)
     # refused the negative rate, and the operator's reconcile failed until the window had passed it.
-    ctx = make_ctx(workers__replicas=1)
-    now = [100.0]
-    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: True)
-    api = TestClient(create_app(coord))
-    for s in range(2):
-        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
-    api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
+    now, coord, api = one_worker_training()
     steps = [1, 2, 3, None, 2, 3]  # None: the job rolls back to step 1 (as the checkpoint cycle does)
     for i, step in enumerate(steps, start=1):
         now[0] = 100.0 + 0.5 * i

@@ -38,14 +38,14 @@ class JobFailed(RuntimeError):
     pass
 
 
-def _die_with_parent(parent: int | None = None) -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     """Have the kernel SIGKILL this child when its parent dies. A parent that died between the fork and this
     call (SIGKILLed while starting its children) left the child orphaned already: it then kills itself."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         return
-    if parent is not None and os.getppid() != parent:
+    if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -535,8 +535,11 @@ def run_local(
         recoverable = ctx.spec.fault_tolerance.strategy != "none"
         if recoverable:
             _wait_recovered(cluster, supervisor)
-        extra["rpcs_served"] = rpcs_served(cluster.get("/cluster"))  # before evaluation adds its reads
-        extra["server_load"] = server_load(cluster.get("/cluster"), status.get("serverCpuSeconds") or {})
+        # Before evaluation adds its reads; every server's /metrics read once for both.
+        served_by = cluster.get("/cluster")
+        scraped = scrape_servers(served_by)
+        extra["rpcs_served"] = rpcs_served(served_by, scraped)
+        extra["server_load"] = server_load(served_by, status.get("serverCpuSeconds") or {}, scraped)
         client = PSClient(ctx, cluster.get("/cluster"))
         try:
             if ctx.ecrec:
@@ -607,63 +610,71 @@ def cpu_per_samples(status: dict) -> dict:
     return {"seconds": seconds, "per_1000_samples": per}
 
 
-def rpcs_served(cluster: dict) -> dict[str, int]:
-    """RPCs the live server processes have served, by method, summed over servers (from their /metrics).
-
-    Counts both worker -> server and server -> server calls: the message cost of a configuration. A server
-    process that died took its counters with it; its replacement counts from zero."""
+def scrape_servers(cluster: dict) -> dict[int, list]:
+    """Each live server's /metrics, parsed, by shard id (no families for a server that did not answer: it
+    died after training, and its counters died with it; its replacement counts from zero)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, int] = {}
+    out: dict[int, list] = {}
     for shard in cluster["shards"]:
-        url = shard.get("metricsUrl")
-        if not url:
-            continue
-        try:
-            text = httpx.get(url, timeout=5.0).text
-        except httpx.HTTPError:
-            continue  # it died after training: its counts are lost with it, as documented above
-        for family in text_string_to_metric_families(text):
-            if family.name != "ecrec_rpc_latency_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_count"):
-                    method = sample.labels["method"]
-                    out[method] = out.get(method, 0) + int(sample.value)
-    return dict(sorted(out.items()))
-
-
-def server_rows(cluster: dict) -> list[dict]:
-    """Per live server, `ecrec_rows_total` by kind (pull, push, stage, delta, ...) from its /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = []
-    for shard in cluster["shards"]:
-        url, counts = shard.get("metricsUrl"), {}
+        url, text = shard.get("metricsUrl"), ""
         if url:
             try:
                 text = httpx.get(url, timeout=5.0).text
             except httpx.HTTPError:
-                text = ""  # it died after training: its counts died with it
-            for family in text_string_to_metric_families(text):
-                if family.name == "ecrec_rows":
-                    for s in family.samples:
-                        if s.name.endswith("_total"):
-                            counts[s.labels["kind"]] = counts.get(s.labels["kind"], 0) + int(s.value)
-        out.append({"shard": shard["shard"], **counts})
+                text = ""
+        out[shard["shard"]] = list(text_string_to_metric_families(text))
     return out
 
 
-def server_load(cluster: dict, cpu_by_instance: dict[str, float]) -> list[dict]:
-    """Per shard: the rows it updated — pushed, staged as a data server or acting home, parity deltas taken
-    (`work`) — and the CPU seconds its current process spent since registering. The spread over shards is the
-    load balance of the paper's §5.2."""
+def _sum_by_label(families: list, family: str, suffix: str, label: str) -> dict[str, int]:
+    """The samples of `family` whose name ends in `suffix`, summed by the value of `label`."""
+    out: dict[str, int] = {}
+    for f in families:
+        if f.name == family:
+            for sample in f.samples:
+                if sample.name.endswith(suffix):
+                    key = sample.labels[label]
+                    out[key] = out.get(key, 0) + int(sample.value)
+    return out
+
+
+def rpcs_served(cluster: dict, scraped: dict[int, list] | None = None) -> dict[str, int]:
+    """RPCs the live server processes have served, by method, summed over servers (from their /metrics).
+
+    Counts both worker -> server and server -> server calls: the message cost of a configuration."""
+    out: dict[str, int] = {}
+    for families in (scraped if scraped is not None else scrape_servers(cluster)).values():
+        for method, n in _sum_by_label(families, "ecrec_rpc_latency_seconds", "_count", "method").items():
+            out[method] = out.get(method, 0) + n
+    return dict(sorted(out.items()))
+
+
+def server_rows(cluster: dict, scraped: dict[int, list] | None = None) -> list[dict]:
+    """Per server, `ecrec_rows_total` by kind (pull, push, stage, delta, ...) from its /metrics."""
+    scraped = scraped if scraped is not None else scrape_servers(cluster)
+    return [
+        {"shard": shard, **_sum_by_label(families, "ecrec_rows", "_total", "kind")}
+        for shard, families in scraped.items()
+    ]
+
+
+def row_work(rows: dict) -> int:
+    """A server's update work (paper §5.2): rows pushed, staged as data server or acting home, and parity
+    deltas taken."""
+    return rows.get("push", 0) + rows.get("stage", 0) + rows.get("delta", 0)
+
+
+def server_load(
+    cluster: dict, cpu_by_instance: dict[str, float], scraped: dict[int, list] | None = None
+) -> list[dict]:
+    """Per shard: its update work (`row_work`) and the CPU seconds its current process spent since
+    registering. The spread over shards is the load balance of the paper's §5.2."""
     instances = {s["shard"]: s.get("instance") for s in cluster["shards"]}
-    out = []
-    for r in server_rows(cluster):
-        work = r.get("push", 0) + r.get("stage", 0) + r.get("delta", 0)
-        out.append({**r, "work": work, "cpu_s": cpu_by_instance.get(instances.get(r["shard"]) or "")})
-    return out
+    return [
+        {**r, "work": row_work(r), "cpu_s": cpu_by_instance.get(instances.get(r["shard"]) or "")}
+        for r in server_rows(cluster, scraped)
+    ]
 
 
 def _wait_settled(client, txn_timeout: float) -> None:

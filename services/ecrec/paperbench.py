@@ -30,7 +30,8 @@ from pathlib import Path
 
 from ecrec.bench import _run, load_job_with, rpcs_per_step, steady_rate
 from ecrec.jobctx import JobContext
-from ecrec.local import machine_description, server_rows
+from ecrec.local import machine_description, row_work
+from ecrec.local import server_rows as local_server_rows
 
 # ---------------------------------------------------------------------------------------------------------
 # The papers' own numbers, each with where it is stated. Nothing else in the report is typed in by hand.
@@ -214,11 +215,6 @@ def own_cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _server_rows(status: dict) -> list[dict]:
-    """Per server, ecrec_rows_total by kind from its /metrics (the paper counts updates per server)."""
-    return server_rows(status["cluster"])
-
-
 class Skipped(Exception):
     """A job not run: --only-cached and it is not in runs.json."""
 
@@ -310,7 +306,7 @@ class Runner:
             if status.get("startedAt"):
                 progress.append([round(time.time() - status["startedAt"], 3), status["samples"]])
             if status["phase"] == "Succeeded" and not server_rows:
-                server_rows.extend(_server_rows(status))
+                server_rows.extend(local_server_rows(status["cluster"]))
 
         out = self.work / name
         kills = [(1, f"step:{kill_step}")] if kill_step is not None else []
@@ -936,7 +932,7 @@ def ckpt_cases(measured: dict, interval: int) -> dict:
 
 def load_of(label: str, run: Run) -> dict:
     """Updates per server (rows pushed, or staged + parity deltas): max/mean and max/min over servers."""
-    work = [r.get("push", 0) + r.get("stage", 0) + r.get("delta", 0) for r in run.server_rows]
+    work = [row_work(r) for r in run.server_rows]
     ok = work and min(work) > 0
     return {
         "config": label,
