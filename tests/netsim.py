@@ -408,9 +408,10 @@ def stage_part(
     src: int = -1,
     dense: dict | None = None,
     epoch: int = 0,
+    lone: bool = False,
 ) -> Staged:
     """Phases 1 and 2 of one part by hand: stage at `server`, deliver its deltas to the parity servers."""
-    staged = net.call(WORKER, server, "stage", txn, g, grads, src, dense or {}, epoch)
+    staged = net.call(WORKER, server, "stage", txn, g, grads, src, dense or {}, epoch, (), lone)
     for b in staged.batches:
         if not net.is_failed(b.parity_server):
             net.call(WORKER, b.parity_server, "stage_deltas", [wire_copy(b, b.parity_server)])

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from ecrec.jobctx import JobContext
+from ecrec import store as store_mod
+from ecrec.core.update import txn_age
 from ecrec.store import Busy, NotOwner, PeerFailed
 from tests.conftest import make_ctx
 from tests.netsim import (
@@ -376,6 +378,67 @@ def test_a_part_aborted_at_its_data_server_is_dropped_by_the_parity_servers_that
         assert same_bits(net[q].parity.parity, parity_before[q])
     assert net.call(WORKER, S, "commit", part.txn) == "aborted"  # the decision stands
     assert_same_model(logical_model(net), before)
+
+
+def test_txn_age_orders_worker_steps_by_step_then_rank_and_ignores_the_attempt():
+    assert txn_age("w1-7/0.-1.0") < txn_age("w0-8/3.-1.0") < txn_age("w1-8/0.-1.0")
+    assert txn_age("w0-8/3.-1.0") == txn_age("w0-8/3.-1.5")  # a retried part keeps its age
+    assert txn_age("w0i2-8/1.-1.0") != txn_age("w0-8/1.-1.0")  # another incarnation: a distinct txn
+    assert txn_age("w0-8r3/1.-1.0") < txn_age("w0-9/1.-1.0")  # after a rollback (r<checkpoint>)
+    assert txn_age("w9-99999/0.-1.0") < txn_age("push:1") and txn_age("a/1") < txn_age("b/1")
+
+
+def _until_waiting(store, n: int = 1) -> None:
+    deadline = time.monotonic() + 5
+    while store.waiting < n:
+        assert time.monotonic() < deadline, "the stage never started waiting"
+        time.sleep(0.001)
+
+
+def test_hot_rows_wait_die_older_waits_younger_answers_busy_unless_lone(ctx, monkeypatch):
+    """Two workers staging the same hot rows on two servers in opposite orders must not wait for each other
+    (each holding one server's rows): the younger part answers Busy after a short grace, the older waits for
+    the younger's commit; a lone part (its worker holds nothing else) may wait for an older one."""
+    monkeypatch.setattr(store_mod, "ROW_LOCK_WAIT", 5.0)  # waits here end by commits, not by the bound
+    net = Net(ctx, wait_timeout=5.0)
+    s = 1
+    g = rows_of(ctx, s, 6)
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(6, ctx.dim, generator=gen) for _ in range(3)]
+    # the younger part (step 9) holds the rows; the older one (step 3) waits until it commits
+    young = stage_part(net, s, "w1-9/1.-1.0", g, grads[0])
+    done = threading.Event()
+
+    def older() -> None:
+        commit_part(net, s, "w0-3/1.-1.0", stage_part(net, s, "w0-3/1.-1.0", g, grads[1]))
+        done.set()
+
+    t = threading.Thread(target=older)
+    t.start()
+    _until_waiting(net[s])  # waiting, not refused
+    assert not done.is_set()
+    commit_part(net, s, "w1-9/1.-1.0", young)
+    t.join(5)
+    assert done.is_set()
+    # now the older part holds the rows: a younger one is refused after the grace, with why
+    old = stage_part(net, s, "w0-4/1.-1.0", g, grads[2])
+    started = time.monotonic()
+    with pytest.raises(Busy, match="older part"):
+        net.call(WORKER, s, "stage", "w1-10/1.-1.0", g, grads[0])
+    assert time.monotonic() - started < 1.0  # after YOUNGER_WAIT, not after the (here 5 s) wait bound
+    assert "w1-10/1.-1.0" not in net[s].rows.staged
+    # ... but the same part sent lone waits for the older one's commit
+    box = {}
+    t = threading.Thread(
+        target=lambda: box.setdefault("staged", stage_part(net, s, "w1-10/1.-1.1", g, grads[0], lone=True))
+    )
+    t.start()
+    _until_waiting(net[s])
+    commit_part(net, s, "w0-4/1.-1.0", old)
+    t.join(5)
+    commit_part(net, s, "w1-10/1.-1.1", box["staged"])
+    assert_parity_ok(net)
+    assert net.staged_total() == 0
 
 
 def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):

@@ -433,7 +433,11 @@ class PSClient:
                 decisions = [] if part.target in carried else self._take_decisions(part.target)
                 carried.setdefault(part.target, decisions)
                 futs.append(
-                    (part, decisions, self._send_stage(part, g, grads, dense_grad, two_pc, decisions))
+                    (
+                        part,
+                        decisions,
+                        self._send_stage(part, g, grads, dense_grad, two_pc, decisions, lone=len(parts) == 1),
+                    )
                 )
             alone = self._send_decisions_alone()
             staged: list[tuple[Part, list]] = []
@@ -618,7 +622,9 @@ class PSClient:
             left, self._decisions = sorted(self._decisions), {}
         log.warning("decisions for parity servers %s not delivered; they will ask", left)
 
-    def _send_stage(self, part: Part, g, grads, dense_grad, two_pc: bool, decisions: list = ()) -> Future:
+    def _send_stage(
+        self, part: Part, g, grads, dense_grad, two_pc: bool, decisions: list = (), lone: bool = False
+    ) -> Future:
         ctx = self.ctx
         ids, rows = ids_to_bytes(g[part.pos]), floats_to_bytes(grads[part.pos])
         self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(rows))
@@ -653,6 +659,7 @@ class PSClient:
             dense_chunks=part.dense,
             dense_grads=dense,
             decisions=decisions,
+            lone=lone,
         )
         return self._call(part.target, "Stage", req)
 

@@ -446,7 +446,9 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
         decisions = self._decisions(request.decisions)
-        staged = self.store.stage(request.txn, g, grads, request.src, dense, request.epoch, decisions)
+        staged = self.store.stage(
+            request.txn, g, grads, request.src, dense, request.epoch, decisions, request.lone
+        )
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
         if request.src != -1:  # rows of failed shard src, written at this acting home
             self.metrics.of(self.metrics.degraded_writes, shard=str(request.src)).inc(staged.rows)

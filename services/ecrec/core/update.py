@@ -37,6 +37,22 @@ def parse_txn(txn: str) -> tuple[str, int, int, int]:
     return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
+_STEP = re.compile(r"w(\d{1,6})(?:i\d{1,6})?-(\d{1,12})")
+_YOUNGEST = 1 << 62
+
+
+def txn_age(txn: str) -> tuple[int, int, str]:
+    """The order in which parts may wait for each other's rows (wait-die, docs/protocol.md): a smaller key is
+    older. Worker steps "w<rank>[i<incarnation>]-<step>[...]" order by step, then rank, so a worker that fell
+    behind wins its conflicts and catches up; the whole id breaks ties, so the order is total, and a part's
+    retries keep their age (the attempt is not part of the step). Other ids (tests, pushes) are youngest."""
+    step = txn.split("/", 1)[0]
+    m = _STEP.match(step)
+    if m is None:
+        return (_YOUNGEST, 0, txn)
+    return (int(m.group(2)), int(m.group(1)), step)
+
+
 @dataclass
 class Part:
     """One part of a step's 2PC: rows of one data shard (or of a failed shard at its acting home)."""
