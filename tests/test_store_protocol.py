@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from ecrec.jobctx import JobContext
 from ecrec import store as store_mod
 from ecrec.core.update import txn_age
+from ecrec.jobctx import JobContext
 from ecrec.store import Busy, NotOwner, PeerFailed
 from tests.conftest import make_ctx
 from tests.netsim import (
