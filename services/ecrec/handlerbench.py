@@ -11,6 +11,7 @@ much of ECRec's cost is our code and how much is the messages.
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -47,21 +48,30 @@ class _Context:
 
 
 class _Stub:
-    """A server stub whose calls run the servicer's method in this thread, timed per method."""
+    """A server stub whose calls run the servicer's method in this thread, timed per method.
 
-    def __init__(self, servicer: ParameterServicer, cpu: Counter, calls: Counter):
-        self._servicer, self._cpu, self._calls = servicer, cpu, calls
+    Handlers run one at a time (`one_at_a_time`, shared by every stub): the client's fan-out would otherwise
+    run five servers' handlers at once on one interpreter, and each torch op's release and re-take of the GIL
+    then roughly doubles every handler's CPU (measured: ECRec k=4 10.4 vs 5.3 ms per step) — a cost the real
+    servers, each its own process, do not pay. (What they do pay, contention between one server's concurrent
+    handlers and gRPC's threads, is `ecrec bench overhead`'s to measure.)"""
+
+    def __init__(
+        self, servicer: ParameterServicer, cpu: Counter, calls: Counter, one_at_a_time: threading.Lock
+    ):
+        self._servicer, self._cpu, self._calls, self._lock = servicer, cpu, calls, one_at_a_time
 
     def __getattr__(self, method: str):
         handler, context = getattr(self._servicer, method), _Context()
 
         def call(request, timeout=None, metadata=None):
-            start = time.thread_time()
-            try:
-                return handler(request, context)
-            finally:
-                self._cpu[method] += time.thread_time() - start
-                self._calls[method] += 1
+            with self._lock:
+                start = time.thread_time()
+                try:
+                    return handler(request, context)
+                finally:
+                    self._cpu[method] += time.thread_time() - start
+                    self._calls[method] += 1
 
         return call
 
@@ -81,13 +91,13 @@ def measure(ctx: JobContext, steps: int) -> dict:
             for s in range(n)
         ],
     }
-    cpu, calls = Counter(), Counter()
+    cpu, calls, one_at_a_time = Counter(), Counter(), threading.Lock()
     stubs = {}
     for s in range(n):
         servicer = ParameterServicer(
             ShardStore(ctx, s), Metrics(ctx.name, "server", str(s)), ClusterView(snapshot=cluster), epoch=1
         )
-        stubs[s] = _Stub(servicer, cpu, calls)
+        stubs[s] = _Stub(servicer, cpu, calls, one_at_a_time)
     # A coordinator address makes the client run the fault-tolerant path; nothing here fails, so it is never
     # called.
     client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "")

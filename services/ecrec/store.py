@@ -38,9 +38,10 @@ CONSISTENT_READ_TRIES = 200
 ROW_LOCK_WAIT = 0.05
 REBUILD_TXN = "recovery:"
 # How long a part waits for an older part's rows before it answers Busy (wait-die, ShardStore._wait_rows).
-# The older part usually commits within a few round trips; measured on examples/local-small.yaml, k=4, 2
-# workers: 0 (die at once) 28.4k samples/s and 23.8 RPCs per worker step, 10 ms 30.7k and 22.1.
-YOUNGER_WAIT = 0.01
+# The older part usually commits within a few round trips. Measured on examples/local-small.yaml, k=4, 2
+# workers, alternating runs: 0 (die at once) 23.8 RPCs per worker step; 10 ms 22.8; 20 ms 21.0-21.2 and the
+# best throughput; 40 ms the same RPCs but slower (a real wait cycle stalls its two workers that long).
+YOUNGER_WAIT = 0.02
 # Requests allowed to wait at once (for busy rows, undecided deltas, a dense copy). Past that a request that
 # would wait answers Busy at once, so that waiting requests, however many arrive, hold a bounded share of the
 # server's threads and the rest keep answering.
