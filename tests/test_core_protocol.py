@@ -10,7 +10,7 @@ from ecrec.core.optim import make_optimizer
 from ecrec.core.placement import Placement
 from ecrec.core.recovery import Step, plan_recovery
 from ecrec.core.txn import DataParticipant, ParityParticipant, RowLocks, RowsBusy, UnknownTxn
-from ecrec.core.update import MapView, StepUpdate
+from ecrec.core.update import DecisionQueue, MapView, StepUpdate
 
 P = Placement(num_servers=5, k=4, num_rows=200)
 XOR = make_code("xor")
@@ -265,3 +265,17 @@ def test_step_update_counts_rows_but_not_dense_chunks_of_a_target_that_acked_and
     assert bool(up.rows_done.all())
     assert up.finished(MapView(2, frozenset({0})))  # the survivor holds the chunk
     assert [q.target for q in up.plan(MapView(3, incarnations={0: 2}))] == [0]  # a replacement gets it
+
+
+def test_decision_queue_keeps_each_servers_decisions_in_order_across_take_and_put_back():
+    q = DecisionQueue()
+    assert not q and q.take(3) == []
+    q.add([(1, "a1"), (2, "a2"), (1, "b1")])
+    q.add([(1, "c1")])
+    assert q
+    taken = q.take(1)
+    assert taken == ["a1", "b1", "c1"] and q.take(1) == []
+    q.add([(1, "d1")])  # decided while the first message was in flight
+    q.put_back(1, taken)  # that message failed: resend its decisions ahead of the newer one
+    assert q.take_all() == {1: ["a1", "b1", "c1", "d1"], 2: ["a2"]}
+    assert not q and q.take_all() == {}

@@ -1,10 +1,10 @@
-"""Client side of the parameter servers: routing by the cluster map, fan-out, and the worker's 2PC loop.
+"""Client side of the parameter servers: the cluster map, calls and their fan-out, and model reads.
 
 Used by workers (training), the launcher (evaluation, `params_sha256`, the parity check) and benchmarks.
-Requests to different servers go out concurrently as gRPC futures; tensors are sent as raw bytes. With ECRec
-the client follows the cluster map: rows of a failed shard are read from and written to their parity servers
-(degraded mode), and `apply_update` runs the per-part two-phase commit of docs/protocol.md until every row's
-update is applied exactly once.
+Requests to different servers go out concurrently on a thread pool; tensors are sent as raw bytes. With ECRec
+the client follows the cluster map: rows of a failed shard are read from their parity servers (degraded
+reads). Updates: without ECRec, `push_rows` / `push_dense`; with it, `apply_update`, whose two-phase commit
+lives in `ecrec.updater` (which drives this client's calls and map); retry rules in `ecrec.retries`.
 """
 
 from __future__ import annotations
@@ -23,79 +23,19 @@ import httpx
 import torch
 
 from ecrec import auth
-from ecrec.core.update import MapView, Part, StepUpdate
+from ecrec.core.update import MapView
 from ecrec.evaluation import auc, logloss
-from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics, latency_snapshot
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
 from ecrec.server import GRPC_OPTIONS
+from ecrec.updater import UpdateDriver
 from ecrec.wire import bytes_to_floats, floats_to_bytes, ids_to_bytes
 
 log = logging.getLogger("ecrec.client")
 READ_PAGE_ROWS = 1 << 18
-# Dead? Ask the coordinator. CANCELLED comes from a server that is shutting down (a pod being deleted cancels
-# the calls in flight): the client itself never cancels.
-UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-RETRYABLE = (*UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
-
-
-class Stalled(RuntimeError):
-    """A call made no progress for the job's progressTimeoutSeconds; the message names the last refusal."""
-
-
-class Retries:
-    """Why a call is being retried, for the log and for the reason it gives up with.
-
-    Counts refusals by (server, method, status) and logs them at most once a second; gives up (`Stalled`)
-    after `timeout` seconds without progress, naming the last server and status. Backs off while nothing
-    progresses, so a server that keeps refusing is not asked thousands of times a second."""
-
-    def __init__(self, what: str, timeout: float):
-        self.what, self.timeout = what, timeout
-        self.deadline = time.monotonic() + timeout
-        self.counts: dict[tuple[int, str, str], int] = {}
-        self.last: str | None = None
-        self.logged_at = time.monotonic()
-        self.fruitless = 0  # refusals since the last progress
-
-    def progress(self) -> None:
-        self.deadline = time.monotonic() + self.timeout
-        self.fruitless = 0
-
-    def note(self, server: int, method: str, err: grpc.RpcError | str) -> None:
-        if isinstance(err, grpc.RpcError):
-            code, detail = err.code().name, err.details()
-        else:
-            code, detail = "REFUSED", err
-        key = (server, method, code)
-        self.counts[key] = self.counts.get(key, 0) + 1
-        self.last = f"server {server} {method}: {code}: {detail}"
-        self.fruitless += 1
-        now = time.monotonic()
-        if now - self.logged_at >= 1.0:
-            summary = ", ".join(f"server {s} {m} {c} x{n}" for (s, m, c), n in sorted(self.counts.items()))
-            log.warning(
-                "%s: retrying (%s in %.1fs); last: %s", self.what, summary, now - self.logged_at, self.last
-            )
-            self.counts, self.logged_at = {}, now
-
-    def check(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise Stalled(
-                f"{self.what}: no progress for {self.timeout:g}s; last refusal: {self.last or 'none (no answer)'}"
-            )
-
-    def backoff(self) -> float:
-        """Seconds to wait before the next try: nothing for the first few, then growing to 0.2 s."""
-        return 0.0 if self.fruitless < 4 else min(0.2, 0.001 * 2 ** min(self.fruitless - 4, 8))
-
-
-class ServerUnavailable(RuntimeError):
-    def __init__(self, shard: int, cause: grpc.RpcError):
-        super().__init__(f"server {shard} unavailable: {cause.code().name}: {cause.details()}")
-        self.shard, self.cause = shard, cause
 
 
 @dataclass
@@ -135,10 +75,7 @@ class PSClient:
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         # Enough threads for the training thread's pulls and the update thread's fan-out at once.
         self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
-        # Commit decisions not yet delivered to their parity servers, by server: they ride on the next stage
-        # at the same server (see apply_update).
-        self._decisions: dict[int, list[pb.DeltaDecision]] = {}
-        self._decisions_lock = threading.Lock()  # the update thread queues; any thread may flush
+        self.updates = UpdateDriver(self)  # before the first map: adopting one may flush its decisions
         self.update_cluster(cluster)
 
     @classmethod
@@ -204,7 +141,7 @@ class PSClient:
                 log.warning("%s: no answer from the coordinator (%s); retrying", what, e)
                 self._coordinator_log = now
 
-    def _recover_from(self, shard: int, err: grpc.RpcError) -> None:
+    def recover_from(self, shard: int, err: grpc.RpcError) -> None:
         """React to a retryable error from `shard` before trying again."""
         code = err.code()
         self.metrics.of(self.metrics.rpc_errors, method="retry", code=code.name).inc()
@@ -239,7 +176,7 @@ class PSClient:
         if self.http is not None:
             self.http.close()
 
-    def _call(self, shard: int, method: str, request) -> Future:
+    def call(self, shard: int, method: str, request) -> Future:
         """Start one RPC; the future's result() returns the response or raises the grpc.RpcError.
 
         Blocking calls on a thread pool, not grpc's `.future()`: each `.future()` on an idle channel starts
@@ -258,7 +195,7 @@ class PSClient:
                 hist = self._latency[method] = self.metrics.of(self.metrics.rpc_latency, method=method)
             hist.observe(time.perf_counter() - start)
 
-    def _degraded(self, kind: str, shard: int, rows: int) -> None:
+    def note_degraded(self, kind: str, shard: int, rows: int) -> None:
         """Count rows of failed shard `shard` read by decoding (kind "reads") or written at their acting home
         ("writes"): here, and in what the worker reports to the coordinator (report_counters)."""
         counts = self.degraded_rows[kind]
@@ -320,14 +257,14 @@ class PSClient:
                     for p in pservers.unique().tolist():
                         sub = pos[pservers == p]
                         req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))
-                        calls.append((p, sub, [], self._call(p, "DegradedPull", req), s))
+                        calls.append((p, sub, [], self.call(p, "DegradedPull", req), s))
                 else:
                     rows_at[s] = pos
             none = torch.empty(0, dtype=torch.int64)
             for s in sorted(set(rows_at) | set(wanted)):
                 pos, cs = rows_at.get(s, none), wanted.get(s, [])
                 req = pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]), dense_chunks=cs)
-                calls.append((s, pos, cs, self._call(s, "Pull", req), -1))
+                calls.append((s, pos, cs, self.call(s, "Pull", req), -1))
             retry, errors = [], []
             for server, pos, cs, fut, src in calls:
                 try:
@@ -341,7 +278,7 @@ class PSClient:
                             flat[lo:hi] = values[at : at + hi - lo, 0]
                             at += hi - lo
                     if src >= 0:
-                        self._degraded("reads", src, pos.numel())
+                        self.note_degraded("reads", src, pos.numel())
                 except grpc.RpcError as e:
                     if not self.ft or e.code() not in RETRYABLE:
                         raise ServerUnavailable(server, e) from e
@@ -355,7 +292,7 @@ class PSClient:
                 retries.progress()
             retries.check()
             for server, e in {s: e for s, e in errors}.items():
-                self._recover_from(server, e)
+                self.recover_from(server, e)
             if orphaned:
                 self.refresh()  # a replica may be back: fetch the map
             time.sleep(retries.backoff())
@@ -378,7 +315,7 @@ class PSClient:
             payload = floats_to_bytes(grads[pos])
             self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(payload))
             req = pb.PushRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]), grads=payload, txn=txn)
-            calls.append((s, "Push", self._call(s, "Push", req)))
+            calls.append((s, "Push", self.call(s, "Push", req)))
         return Pending(calls, self)
 
     # -- dense parameters ------------------------------------------------------------------------------
@@ -397,282 +334,17 @@ class PSClient:
             for h in ctx.dense_holders(c):
                 self.metrics.of(self.metrics.bytes_sent, kind="dense").inc(len(payload))
                 req = pb.DensePushRequest(epoch=self.epoch, chunk=c, grads=payload, txn=txn)
-                calls.append((h, "PushDense", self._call(h, "PushDense", req)))
+                calls.append((h, "PushDense", self.call(h, "PushDense", req)))
         return Pending(calls, self)
 
-    # -- ECRec updates ---------------------------------------------------------------------------------
+    # -- ECRec updates (ecrec.updater) ---------------------------------------------------------------
     def apply_update(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
-        """Apply one step's update with the worker-coordinated 2PC of docs/protocol.md; returns when every
-        part is committed exactly once.
-
-        Each pass: (1) stage every remaining part at its data server (or acting home); (2) deliver the
-        deltas of the staged parts to their parity servers, one message per parity server for all parts;
-        (3) commit every part whose deltas all arrived; (4) queue the decisions for the parity servers. They
-        ride on the next pass's stage to the same server, which applies them before anything else, so they
-        arrive before any later delta of the same rows and before anything that could wait for them; a
-        server the next pass does not stage at gets them on their own (DecideMany), at the same time. A step
-        thus costs three messages per server whatever k is. Commits on behalf of a dead server are sent at
-        once, and flush_decisions sends what is left when the worker stops. While a shard is failed or
-        recovering nothing is held back: degraded reads and rebuilds need consistent stripes, and this
-        worker's next pull, which comes before its next update, may need exactly those."""
-        ctx = self.ctx
-        two_pc = ctx.spec.fault_tolerance.ecrec.two_phase_commit
-        grads = grads.to("cpu", torch.float32)
-        dense_grad = dense_grad.to("cpu", torch.float32)
-        update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
-        retries = Retries(f"update {step}", self.progress_timeout)
-        while True:
-            parts = update.plan(self.view())
-            if not parts:
-                return
-            errors: dict[int, grpc.RpcError] = {}
-            # (1) stage, carrying the decisions queued for each server; the others get theirs on their own
-            carried: dict[int, list] = {}
-            futs = []
-            for part in parts:
-                decisions = [] if part.target in carried else self._take_decisions(part.target)
-                carried.setdefault(part.target, decisions)
-                futs.append(
-                    (
-                        part,
-                        decisions,
-                        self._send_stage(part, g, grads, dense_grad, two_pc, decisions, lone=len(parts) == 1),
-                    )
-                )
-            alone = self._send_decisions_alone()
-            staged: list[tuple[Part, list]] = []
-            for part, decisions, fut in futs:
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as e:
-                    self._requeue(part.target, decisions, e)
-                    retries.note(part.target, "Stage", e)
-                    self._stage_failed(part, e, errors)
-                    continue
-                if not two_pc and part.src < 0:
-                    update.committed(part)  # applied at once; its deltas went straight to the parity servers
-                else:
-                    staged.append((part, list(resp.deltas)))
-            self._await_decisions_alone(alone)
-            fault_point("worker:after_stage")
-            # (2) deltas
-            undelivered = self._deliver_deltas(staged, errors)
-            ready = []
-            for part, deltas in staged:
-                if undelivered & {d.parity_server for d in deltas}:
-                    self._abort_part(part, deltas)  # it tells the parity servers that did get its deltas
-                else:
-                    ready.append((part, deltas))
-            # (3) commit
-            fault_point("worker:before_commit")
-            cfuts = []
-            for part, deltas in ready:
-                req = pb.TxnRequest(epoch=self.epoch, txn=part.txn)
-                cfuts.append((part, deltas, self._call(part.target, "Commit", req)))
-                fault_point("worker:mid_commit")
-            urgent = False
-            for part, deltas, fut in cfuts:
-                outcome = self._commit_outcome(part, fut, retries)
-                if outcome == "committed":
-                    update.committed(part)
-                    retries.progress()
-                    if part.src >= 0:
-                        self._degraded("writes", part.src, part.pos.numel())
-                elif outcome == "gone":
-                    # It died (or was replaced) after staging: its staged records are gone, but its deltas
-                    # are staged at the parity servers. Committing them applies the update exactly once —
-                    # the rows are decoded from parity from now on.
-                    update.committed_by_dead_target(part)
-                    retries.progress()
-                    urgent = True
-                else:
-                    # aborted (its txnTimeout expired): it told the parity servers; retry the part
-                    retries.note(part.target, "Commit", f"{part.txn} was aborted")
-                    continue
-                self._queue_decisions(part, deltas)
-            # (4) decisions: queued for the next pass, or sent now for a dead server's parts
-            fault_point("worker:before_decide")
-            if urgent or self.degraded():
-                self.flush_decisions()
-            for server, e in errors.items():
-                self._recover_from(server, e)
-            if update.finished(self.view()):
-                return
-            retries.check()
-            time.sleep(retries.backoff())
-
-    def _stage_failed(self, part: Part, e: grpc.RpcError, errors: dict) -> None:
-        if e.code() not in RETRYABLE:
-            raise ServerUnavailable(part.target, e) from e
-        if e.code() not in UNREACHABLE:
-            errors[part.target] = e  # stale map or busy rows: retry the part on the next pass
-            return
-        # Unreachable: is it dead? The coordinator probes before it says so. Nothing of the part left the
-        # server (its deltas come back in the answer), so a dead one needs nothing undone.
-        self.report_failure(part.target)
-        if not self.failed(part.target):
-            self._abort_part(part)  # alive: it may have staged; undo that before retrying
-
-    def _deliver_deltas(self, staged: list[tuple[Part, list]], errors: dict) -> set[int]:
-        """StageDeltas to every parity server at once; returns the live servers that did not get theirs."""
-        by_server: dict[int, list] = {}
-        for _part, deltas in staged:
-            for d in deltas:
-                by_server.setdefault(d.parity_server, []).append(d)
-        undelivered: set[int] = set()
-        for _try in range(3):
-            calls = []
-            for server, batches in by_server.items():
-                if self.failed(server):
-                    continue  # its parity is re-encoded from the data rows when it is rebuilt
-                for d in batches:
-                    self.metrics.of(self.metrics.bytes_sent, kind="delta").inc(len(d.delta))
-                req = pb.StageDeltasRequest(epoch=self.epoch, batches=batches)
-                calls.append((server, self._call(server, "StageDeltas", req)))
-            undelivered, retry = set(), {}
-            for server, fut in calls:
-                try:
-                    fut.result()
-                except grpc.RpcError as e:
-                    if e.code() not in RETRYABLE:
-                        raise ServerUnavailable(server, e) from e
-                    if e.code() in UNREACHABLE:
-                        self.report_failure(server)
-                        if not self.failed(server):
-                            retry[server] = by_server[server]  # alive: a re-delivery replaces, not adds
-                    else:
-                        errors[server] = e
-                        undelivered.add(server)
-            if not retry:
-                return undelivered
-            by_server = retry
-        return undelivered | set(by_server)
-
-    def _commit_outcome(self, part: Part, fut: Future, retries: Retries) -> str:
-        """committed, aborted, or gone (the target died or was replaced after its stage was answered).
-
-        An unanswered Commit is none of these: the part may well be committed there (the answer was lost,
-        or the server hung after committing), and retrying it as a new part would apply the update twice —
-        at the server if it comes back, at the acting home if it is declared failed while its parity servers
-        still hold the deltas. So ask again (commits are idempotent) until the server answers or the
-        coordinator declares it failed; `retries` bounds that by progressTimeoutSeconds (Stalled)."""
-        while True:
-            try:
-                outcome = fut.result().outcome
-            except grpc.RpcError as e:
-                if e.code() not in UNREACHABLE:
-                    raise ServerUnavailable(part.target, e) from e
-                retries.note(part.target, "Commit", e)
-                self.report_failure(part.target)
-                if self.failed(part.target):
-                    return "gone"
-                retries.check()
-                time.sleep(retries.backoff())
-                fut = self._call(part.target, "Commit", pb.TxnRequest(epoch=self.epoch, txn=part.txn))
-                continue
-            if outcome == "unknown":  # a replacement answered: the process that staged the part is gone
-                return "gone"
-            return outcome
-
-    def _queue_decisions(self, part: Part, deltas: list, commit: bool = True) -> None:
-        with self._decisions_lock:
-            for d in deltas:
-                decision = pb.DeltaDecision(txn=part.txn, src=part.target, commit=commit)
-                self._decisions.setdefault(d.parity_server, []).append(decision)
-
-    def _take_decisions(self, server: int) -> list:
-        with self._decisions_lock:
-            return self._decisions.pop(server, [])
-
-    def _requeue(self, server: int, decisions: list, e: grpc.RpcError | None = None) -> None:
-        """Decisions whose message failed: send them again later (deciding twice is harmless), unless the
-        server is gone or refused them for good."""
-        if decisions and not self.failed(server) and (e is None or e.code() in RETRYABLE):
-            with self._decisions_lock:
-                self._decisions.setdefault(server, [])[:0] = decisions
-
-    def _send_decisions_alone(self) -> list:
-        """DecideMany to every live server with queued decisions that no stage of this pass carries."""
-        with self._decisions_lock:
-            queued, self._decisions = self._decisions, {}
-        out = []
-        for server, decisions in queued.items():
-            if decisions and not self.failed(server):
-                req = pb.DecisionsRequest(epoch=self.epoch, decisions=decisions)
-                out.append((server, decisions, self._call(server, "DecideMany", req)))
-        return out
-
-    def _await_decisions_alone(self, calls: list) -> None:
-        for server, decisions, fut in calls:
-            try:
-                fut.result()
-            except grpc.RpcError as e:
-                if e.code() in UNREACHABLE:
-                    self.report_failure(server)
-                self._requeue(server, decisions, e)
+        """Apply one step's update with the worker-coordinated 2PC of docs/protocol.md (UpdateDriver.apply)."""
+        self.updates.apply(step, g, grads, dense_grad)
 
     def flush_decisions(self) -> None:
-        """Send every queued decision now. A parity server that cannot be told asks the data server for the
-        outcome when its staged deltas time out (ShardStore.expire), so this is best effort."""
-        for _try in range(3):
-            self._await_decisions_alone(self._send_decisions_alone())
-            if not self._decisions:
-                return
-        with self._decisions_lock:
-            left, self._decisions = sorted(self._decisions), {}
-        log.warning("decisions for parity servers %s not delivered; they will ask", left)
-
-    def _send_stage(
-        self, part: Part, g, grads, dense_grad, two_pc: bool, decisions: list = (), lone: bool = False
-    ) -> Future:
-        ctx = self.ctx
-        ids, rows = ids_to_bytes(g[part.pos]), floats_to_bytes(grads[part.pos])
-        self.metrics.of(self.metrics.bytes_sent, kind="push").inc(len(rows))
-        dense = [floats_to_bytes(dense_grad[slice(*ctx.dense_bounds[c])]) for c in part.dense]
-        if not two_pc and part.src < 0:
-            # Without 2PC: apply at once. Rows and dense chunks go as separate calls; gather them.
-            self._requeue(part.target, list(decisions))  # (none are made without 2PC; keep, do not drop)
-            futs = []
-            if part.pos.numel():
-                futs.append(
-                    self._call(
-                        part.target,
-                        "Push",
-                        pb.PushRequest(epoch=part.epoch, ids=ids, grads=rows, txn=part.txn),
-                    )
-                )
-            for c, buf in zip(part.dense, dense, strict=True):
-                futs.append(
-                    self._call(
-                        part.target,
-                        "PushDense",
-                        pb.DensePushRequest(epoch=part.epoch, chunk=c, grads=buf, txn=part.txn),
-                    )
-                )
-            return _AllOf(futs)
-        req = pb.StageRequest(
-            epoch=part.epoch,
-            txn=part.txn,
-            ids=ids,
-            grads=rows,
-            src=part.src,
-            dense_chunks=part.dense,
-            dense_grads=dense,
-            decisions=decisions,
-            lone=lone,
-        )
-        return self._call(part.target, "Stage", req)
-
-    def _abort_part(self, part: Part, deltas: list = ()) -> None:
-        """Abort a part at its server (it aborts and tells its parity servers). If the server cannot be
-        reached, the parity servers that got `deltas` are told by this worker: no Commit was sent for the
-        part (its deltas did not all arrive), so aborting it on the server's behalf is its only outcome."""
-        try:
-            self.stubs[part.target].Abort(pb.TxnRequest(epoch=self.epoch, txn=part.txn), timeout=self.timeout)
-        except grpc.RpcError as e:
-            log.warning("could not abort %s at server %d: %s", part.txn, part.target, e.code().name)
-            if deltas and e.code() in UNREACHABLE:
-                self._queue_decisions(part, deltas, commit=False)
+        """Send every commit decision still queued for a parity server (UpdateDriver.flush_decisions)."""
+        self.updates.flush_decisions()
 
     # -- whole records ---------------------------------------------------------------------------------
     def read_records(self, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
@@ -681,7 +353,7 @@ class PSClient:
             req = pb.ReadRecordsRequest(
                 epoch=self.epoch, kind=kind, start=start, count=READ_PAGE_ROWS, chunk=chunk
             )
-            resp = self._result(shard, "ReadRecords", self._call(shard, "ReadRecords", req))
+            resp = self._result(shard, "ReadRecords", self.call(shard, "ReadRecords", req))
             width = resp.width or width
             if resp.count:
                 pages.append(
@@ -741,7 +413,7 @@ class PSClient:
         for lo in range(0, n, READ_PAGE_ROWS):
             index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
             req = pb.ReadRowsRequest(epoch=self.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
-            resp = self._result(server, "ReadRows", self._call(server, "ReadRows", req))
+            resp = self._result(server, "ReadRows", self.call(server, "ReadRows", req))
             recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1).clone())
             vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1).clone())
         if not recs:
@@ -797,16 +469,6 @@ class PSClient:
             with self._no_coordinator("reporting the parity check"):
                 self.http.post(f"{self.coordinator}/v1/parity-checks", json=result).raise_for_status()
         return result
-
-
-class _AllOf:
-    """A future over several futures (the no-2PC path's rows and dense pushes)."""
-
-    def __init__(self, futs: list[Future]):
-        self.futs = futs
-
-    def result(self):
-        return [f.result() for f in self.futs]
 
 
 def evaluate(client: PSClient, batches: Iterable, device: str = "cpu") -> dict:

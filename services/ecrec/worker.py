@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ecrec import auth, faults
-from ecrec.client import Pending, PSClient, ServerUnavailable, Stalled
+from ecrec.client import Pending, PSClient
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
 from ecrec.model import flatten_dense_grad, load_dense_
+from ecrec.retries import ServerUnavailable, Stalled
 
 log = logging.getLogger("ecrec.worker")
 

@@ -16,7 +16,8 @@ step is harmless (ShardStore.stage skips steps in its copy log), so erring towar
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -148,3 +149,40 @@ class StepUpdate:
         """The target acked the stage and died: its parity servers hold (and commit) the rows' update, but
         its dense chunks died with it; the surviving replica, or a replacement's copy of it, holds the step."""
         self.rows_done[part.pos] = True
+
+
+class DecisionQueue:
+    """Commit decisions a worker owes its parity servers, by server, in the order they were made.
+
+    They are not sent on their own: each rides on the next message the worker sends that server anyway (a
+    stage), which applies it before anything else (docs/protocol.md, "Update path"). Thread-safe: the update
+    thread queues and takes; any thread may flush (a new map of a failure flushes at once)."""
+
+    def __init__(self) -> None:
+        self._by_server: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def add(self, decisions: Iterable[tuple[int, object]]) -> None:
+        """Queue (parity server, decision) pairs."""
+        with self._lock:
+            for server, decision in decisions:
+                self._by_server.setdefault(server, []).append(decision)
+
+    def take(self, server: int) -> list:
+        """Everything queued for `server`, oldest first; the queue keeps none of it."""
+        with self._lock:
+            return self._by_server.pop(server, [])
+
+    def take_all(self) -> dict[int, list]:
+        with self._lock:
+            out, self._by_server = self._by_server, {}
+            return out
+
+    def put_back(self, server: int, decisions: list) -> None:
+        """Decisions taken but not delivered: ahead of anything queued since, so the order is kept."""
+        with self._lock:
+            self._by_server.setdefault(server, [])[:0] = decisions
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return any(self._by_server.values())
