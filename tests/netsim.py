@@ -7,7 +7,7 @@ it fail with `PeerFailed` as they would over gRPC, and so does anything a dead s
 server -> server) passes through `Net.call`, where hooks (`Net.kill_at`, `Net.on`) can kill a process or
 lose a message or its answer at an exact point of the protocol.
 
-`Worker` drives the same update bookkeeping and the same four phases as PSClient.apply_update
+`Worker` drives the same update bookkeeping and the same four phases as UpdateDriver.apply
 (ecrec.core.update.StepUpdate; docs/protocol.md): stage every part, deliver the deltas to the parity servers,
 commit, tell the parity servers. Rows of a failed shard go to their acting home with `src = shard`; a data
 server that is gone after its stage was answered has its deltas committed on its behalf. One difference:
@@ -285,7 +285,7 @@ class Net:
 # ---------------------------------------------------------------------------------------------------------
 # the worker
 class Worker:
-    """Drives the worker-coordinated 2PC of docs/protocol.md over a Net, as PSClient.apply_update does (the
+    """Drives the worker-coordinated 2PC of docs/protocol.md over a Net, as UpdateDriver.apply does (the
     same StepUpdate bookkeeping and the same four phases, one message at a time)."""
 
     def __init__(self, net: Net):

@@ -1,6 +1,6 @@
 """A worker step's update under the worker-coordinated two-phase commit: which parts remain, and where they go.
 
-Pure bookkeeping with no I/O (docs/protocol.md, "Update path"). The driver — PSClient.apply_update over gRPC,
+Pure bookkeeping with no I/O (docs/protocol.md, "Update path"). The driver — UpdateDriver.apply (ecrec.updater) over gRPC,
 or the in-memory worker of tests/netsim.py — asks for a plan under its current view of the cluster map, runs
 the pass (stage, deltas, commit, decisions), and reports each part's outcome back. The step is finished when every row's update
 is applied exactly once and every live replica of every dense chunk holds the step.
