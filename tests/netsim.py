@@ -480,8 +480,8 @@ def logical_model(net: Net) -> Model:
     dense = []
     for c in range(ctx.num_servers):
         holder = next(h for h in ctx.dense_holders(c) if not net.is_failed(h))
-        assert net[holder].dense_ready[c], f"dense chunk {c} not copied yet on {holder}"
-        dense.append(net[holder].dense[c])
+        assert net[holder].dense.ready[c], f"dense chunk {c} not copied yet on {holder}"
+        dense.append(net[holder].dense.records[c])
     return Model(rows, versions, torch.cat(dense))
 
 
@@ -530,5 +530,5 @@ def dense_replica_mismatches(net: Net) -> int:
     for c in range(net.ctx.num_servers):
         holders = [h for h in net.ctx.dense_holders(c) if not net.is_failed(h)]
         if len(holders) == 2:
-            bad += int(not same_bits(net[holders[0]].dense[c], net[holders[1]].dense[c]))
+            bad += int(not same_bits(net[holders[0]].dense.records[c], net[holders[1]].dense.records[c]))
     return bad

@@ -123,9 +123,9 @@ def assert_matches_twin(net: Net, twin: Net) -> None:
         pr = st.parity.ready
         assert torch.equal(bits(st.parity.parity[pr]), bits(t.parity.parity[pr])), f"parity of {s} differs"
         assert torch.equal(st.parity.pver[pr], t.parity.pver[pr]), f"pver of {s} differs"
-        for c, recs in st.dense.items():
-            if st.dense_ready[c]:
-                assert same_bits(recs, t.dense[c]), f"dense chunk {c} on {s} differs"
+        for c, recs in st.dense.records.items():
+            if st.dense.ready[c]:
+                assert same_bits(recs, t.dense.records[c]), f"dense chunk {c} on {s} differs"
 
 
 def assert_fully_recovered(net: Net, twin: Net) -> None:
@@ -217,7 +217,7 @@ def test_staged_part_is_invisible_to_reads_and_parity_until_commit(ctx):
     want.dense[lo:hi] = ctx.optimizer.apply(before.dense[lo:hi], dense_grad.reshape(-1, 1))
     got = logical_model(net)
     assert torch.equal(bits(got.rows), bits(want.rows)) and torch.equal(got.versions, want.versions)
-    assert same_bits(net[s].dense[chunk], want.dense[lo:hi])  # the other replica is staged separately
+    assert same_bits(net[s].dense.records[chunk], want.dense[lo:hi])  # the other replica is staged separately
     assert torch.equal(bits(Worker(net).pull(g)), bits(want.rows[g, : ctx.dim]))
     assert_parity_ok(net)
     assert net.staged_total() == 0
@@ -716,11 +716,11 @@ def test_replacement_skips_dense_steps_its_copy_already_contains(ctx):
     rep = net.replace(S)  # a new map: the copy is made under it
     assert rep.epoch > epoch_before
     net.call(WORKER, S, "copy_dense")
-    assert same_bits(rep.dense[chunk], net[other].dense[chunk])
+    assert same_bits(rep.dense.records[chunk], net[other].dense.records[chunk])
     # A stage of the same step that reaches the replacement late is not applied twice...
     net.call(WORKER, S, "stage", f"7/{S}.-1.1", *none, -1, {chunk: grad})
     assert net.call(WORKER, S, "commit", f"7/{S}.-1.1") == "committed"
-    assert same_bits(rep.dense[chunk], net[other].dense[chunk])
+    assert same_bits(rep.dense.records[chunk], net[other].dense.records[chunk])
     # ...the survivor refuses stages of the chunk built on the map before the replacement...
     with pytest.raises(NotOwner):
         net.call(WORKER, other, "stage", f"8/{other}.-1.0", *none, -1, {chunk: grad}, epoch_before)
@@ -732,8 +732,8 @@ def test_replacement_skips_dense_steps_its_copy_already_contains(ctx):
         for h in ctx.dense_holders(chunk):
             twin.call(WORKER, h, "stage", f"{step}/{h}.-1.0", *none, -1, {chunk: grad})
             twin.call(WORKER, h, "commit", f"{step}/{h}.-1.0")
-    assert same_bits(rep.dense[chunk], twin[S].dense[chunk])
-    assert same_bits(net[other].dense[chunk], twin[other].dense[chunk])
+    assert same_bits(rep.dense.records[chunk], twin[S].dense.records[chunk])
+    assert same_bits(net[other].dense.records[chunk], twin[other].dense.records[chunk])
 
 
 def test_replacement_that_copied_a_dense_chunk_mid_step_still_receives_the_step(ctx):
@@ -756,7 +756,7 @@ def test_replacement_that_copied_a_dense_chunk_mid_step_still_receives_the_step(
     Worker(twin).update(step, g, grads, dense_grad)
     assert not any(net.hooks)  # the hook fired
     net.recover(S, lock_group_rows=1000)
-    assert same_bits(net[S].dense[chunk], net[other].dense[chunk])
+    assert same_bits(net[S].dense.records[chunk], net[other].dense.records[chunk])
     assert_fully_recovered(net, twin)
 
 
@@ -996,11 +996,13 @@ def test_a_dense_stage_at_a_replacement_whose_copy_is_not_done_is_refused_at_onc
     with pytest.raises(Busy, match="not copied yet"):
         net.call(WORKER, lost, "stage", at_lost.txn, g2, grads2, -1, {chunk: dense_grad}, net.epoch)
     assert time.monotonic() - t0 < 1.0  # not the 2 s wait
-    assert at_lost.txn not in net[lost].rows.staged and at_lost.txn not in net[lost].dense_staged
+    assert at_lost.txn not in net[lost].rows.staged and at_lost.txn not in net[lost].dense.staged
     assert net.call(WORKER, survivor, "commit", at_survivor.txn) == "committed"
     assert net[lost].copy_dense() >= hi - lo  # no longer waits: the survivor's stage drained
     stage_part(net, lost, at_lost.txn, g2, grads2, -1, {chunk: dense_grad}, epoch=net.epoch)
     assert net.call(WORKER, lost, "commit", at_lost.txn) == "committed"
     # Both replicas applied step s7's dense update exactly once.
-    want = ctx.optimizer.apply(Net(ctx)[survivor].dense[chunk], dense_grad.reshape(-1, 1))
-    assert same_bits(net[survivor].dense[chunk], want) and same_bits(net[lost].dense[chunk], want)
+    want = ctx.optimizer.apply(Net(ctx)[survivor].dense.records[chunk], dense_grad.reshape(-1, 1))
+    assert same_bits(net[survivor].dense.records[chunk], want) and same_bits(
+        net[lost].dense.records[chunk], want
+    )

@@ -94,7 +94,7 @@ def state_of(store: ShardStore) -> tuple:
         store.rows.versions.clone(),
         store.parity.parity.clone(),
         store.parity.pver.clone(),
-        {c: d.clone() for c, d in store.dense.items()},
+        {c: d.clone() for c, d in store.dense.records.items()},
         dict(store.outcomes),
         dict(store.parity.resolved),
         store.staged_count(),
@@ -129,6 +129,19 @@ def test_an_epoch_ahead_of_the_coordinator_is_refused_and_never_stored(served):
     served.stub.Pull(
         pb.PullRequest(epoch=served.epoch, ids=ids_to_bytes(served.ids()), dense_chunks=[served.shard])
     )
+
+
+def test_commits_and_decisions_naming_an_unpublished_epoch_are_served_and_the_epoch_not_stored(served):
+    """Messages that do not depend on the map (check_epoch=False) are not refused for an epoch this server
+    cannot confirm yet: a worker may legitimately be ahead of it for up to the view's fetch interval."""
+    me, other = served.shard, (served.shard + 1) % N
+    before = state_of(served.store)
+    commit = served.stub.Commit(pb.TxnRequest(epoch=2**40, txn=f"w0-1/{me}.-1.0"))
+    decision = pb.DeltaDecision(txn=f"w0-1/{other}.-1.0", src=other, commit=True)
+    decided = served.stub.DecideMany(pb.DecisionsRequest(epoch=2**40, decisions=[decision]))
+    assert commit.outcome == "unknown" and list(decided.outcomes) == ["unknown"]  # never staged: no trace
+    assert served.store.epoch == served.epoch
+    assert_same(state_of(served.store), before)
 
 
 def test_a_newer_epoch_is_adopted_once_the_coordinator_publishes_it():

@@ -326,6 +326,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             return
         if epoch > self.store.epoch:
             if not self.view.confirm(epoch):
+                if not check:
+                    # Commits, decisions and reads do not depend on the map: served, the epoch not stored.
+                    # (A worker can be ahead legitimately: two failures publish two epochs within the 50 ms
+                    # this view waits between fetches, and a refused Commit failed the whole job.)
+                    return
                 raise StaleEpoch(
                     f"epoch {epoch} is ahead of the coordinator's map (epoch {self.view.epoch}): refused"
                 )
@@ -420,7 +425,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             data_rows=s.num_rows,
             parity_rows=s.parity.parity.shape[0],
             record_width=s.ctx.record_width,
-            dense_chunks=sorted(s.dense),
+            dense_chunks=sorted(s.dense.records),
             state="recovering" if s.replacement and not s.recovery_done() else "up",
             strategy=s.ctx.spec.fault_tolerance.strategy,
             staged=s.staged_count(),

@@ -2,7 +2,9 @@
 
 `ShardStore` holds the server's tensors — its data row records and their versions, the parity records it
 keeps for other servers' stripes, its dense chunks — and runs every protocol step of docs/protocol.md on
-them. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
+them. Each role's state is its own object without I/O (core/txn.py: `DataParticipant` for the rows,
+`ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`); the store owns them, the lock,
+the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
 process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
 it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
 """
@@ -20,6 +22,7 @@ from typing import Protocol
 import torch
 
 from ecrec.core.codes import make_code
+from ecrec.core.dense import DenseReplicas
 from ecrec.core.hotrows import make_tracker
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
 from ecrec.core.update import txn_age
@@ -210,20 +213,13 @@ class ShardStore:
         self.acting_cache: dict[int, ActingCache] = {}
         # -- dense chunks -------------------------------------------------------------------------------
         flat = init_dense(*_model_args(ctx), seed=seed)
-        self.dense: dict[int, torch.Tensor] = {}
-        self.dense_ready: dict[int, bool] = {}
-        self.dense_staged: dict[str, dict[int, torch.Tensor]] = {}
-        self.dense_log: dict[int, OrderedDict] = {}  # chunk -> txns applied (to skip them after a copy)
-        self.dense_min_epoch: dict[int, int] = {}
-        self.dense_copying: set[int] = set()
+        records, ready = {}, {}
         for c in ctx.dense_chunks_of(shard):
             lo, hi = ctx.dense_bounds[c]
-            self.dense[c] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
+            records[c] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
             # A lone replica has nothing to copy from: ready at once, unless a checkpoint restores it.
-            self.dense_ready[c] = not replacement or (
-                len(ctx.dense_holders(c)) == 1 and not ctx.checkpointing
-            )
-            self.dense_log[c] = OrderedDict()
+            ready[c] = not replacement or (len(ctx.dense_holders(c)) == 1 and not ctx.checkpointing)
+        self.dense = DenseReplicas(self.opt, records, ready)
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
         self.waiting = 0  # requests in _wait now (bounded by MAX_WAITING)
@@ -305,7 +301,7 @@ class ShardStore:
     def _chunk(self, chunk: int) -> torch.Tensor:
         if chunk not in self.dense:
             raise InvalidRequest(f"chunk: dense chunk {chunk} is not held by shard {self.shard}")
-        return self.dense[chunk]
+        return self.dense.records[chunk]
 
     def _wait_rows(
         self, locks: RowLocks, rows: torch.Tensor, txn: str, what: str, lone: bool = False
@@ -358,8 +354,8 @@ class ShardStore:
     def pull_dense(self, chunk: int) -> torch.Tensor:
         self._chunk(chunk)
         with self.lock:
-            self._wait(lambda: self.dense_ready[chunk], f"dense chunk {chunk} not copied yet")
-            return self.dense[chunk][:, 0].clone()
+            self._wait(lambda: self.dense.ready[chunk], f"dense chunk {chunk} not copied yet")
+            return self.dense.values(chunk)
 
     def chunk_len(self, chunk: int) -> int:
         return self._chunk(chunk).shape[0]
@@ -606,15 +602,13 @@ class ShardStore:
     def copy_dense(self) -> int:
         """Copy the replicated chunks from the surviving replica; skip txns the copy already contains."""
         n = 0
-        for c in list(self.dense):
-            if self.dense_ready[c]:
+        for c in list(self.dense.records):
+            if self.dense.ready[c]:
                 continue
             other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
             recs, txns = self.peers.dense_copy(other, c, self.epoch)
             with self.lock:
-                self.dense[c] = recs
-                self.dense_log[c] = OrderedDict.fromkeys(txns)
-                self.dense_ready[c] = True
+                self.dense.install(c, recs, txns)
                 self.cond.notify_all()
             n += recs.shape[0]
         return n
@@ -623,15 +617,14 @@ class ShardStore:
         """The surviving replica's side of copy_dense: from now on reject dense stages older than `epoch`."""
         self._chunk(chunk)
         with self.lock:
-            self.dense_min_epoch[chunk] = max(self.dense_min_epoch.get(chunk, 0), epoch)
-            self.dense_copying.add(chunk)  # new stages of the chunk wait, so the in-flight ones can drain
+            self.dense.begin_copy(
+                chunk, epoch
+            )  # new stages of the chunk wait, so the in-flight ones can drain
             try:
-                self._wait(
-                    lambda: not any(chunk in d for d in self.dense_staged.values()), "dense txns in flight"
-                )
-                return self.dense[chunk].clone(), list(self.dense_log[chunk])
+                self._wait(lambda: not self.dense.in_flight(chunk), "dense txns in flight")
+                return self.dense.copy_out(chunk)
             finally:
-                self.dense_copying.discard(chunk)
+                self.dense.end_copy(chunk)
                 self.cond.notify_all()
 
     def staged_count(self) -> int:
@@ -641,11 +634,11 @@ class ShardStore:
                 len(self.rows.staged)
                 + len(self.acting_staged)
                 + len(self.parity.staged)
-                + len(self.dense_staged)
+                + len(self.dense.staged)
             )
 
     def recovery_done(self) -> bool:
-        return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and all(self.dense_ready.values())
+        return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and self.dense.all_ready()
 
     # ---------------------------------------------------------------------------------------------------
     # checkpoints (strategies checkpoint, checknrun, cpr: docs/protocol.md, "Checkpoint strategies")
@@ -672,7 +665,7 @@ class ShardStore:
                     "rows": self.rows.records[index],
                     "versions": self.rows.versions[index],
                 }
-            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
+            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.records.items()}
         return out
 
     def hot_tensors(self) -> dict[str, torch.Tensor]:
@@ -682,7 +675,7 @@ class ShardStore:
         with self.lock:
             index = self.hot.take(k) if self.hot is not None else torch.zeros(0, dtype=torch.int64)
             out = {"index": index, "rows": self.rows.records[index], "versions": self.rows.versions[index]}
-            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.items()}
+            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.records.items()}
         return out
 
     def _initial_tensors(self) -> dict[str, torch.Tensor]:
@@ -695,7 +688,7 @@ class ShardStore:
             "versions": torch.zeros(self.num_rows, dtype=torch.int64),
         }
         flat = init_dense(*_model_args(self.ctx), seed=seed)
-        for c in self.dense:
+        for c in self.dense.records:
             lo, hi = self.ctx.dense_bounds[c]
             out[f"dense.{c}"] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
         return out
@@ -721,7 +714,7 @@ class ShardStore:
             t |= {k: v for k, v in increment.items() if k.startswith("dense.")}
             modified[index] = True
         expect = {"rows": (self.num_rows, self.ctx.record_width), "versions": (self.num_rows,)}
-        expect |= {f"dense.{c}": tuple(recs.shape) for c, recs in self.dense.items()}
+        expect |= {f"dense.{c}": tuple(recs.shape) for c, recs in self.dense.records.items()}
         for key, shape in expect.items():
             if key not in t or tuple(t[key].shape) != shape:
                 got = tuple(t[key].shape) if key in t else "missing"
@@ -729,10 +722,8 @@ class ShardStore:
         with self.lock:
             self.rows.records.copy_(t["rows"])
             self.rows.versions.copy_(t["versions"])
-            for c in self.dense:
-                self.dense[c] = t[f"dense.{c}"].clone()
-                self.dense_ready[c] = True
-                self.dense_log[c].clear()
+            for c in self.dense.records:
+                self.dense.install(c, t[f"dense.{c}"].clone())
             self.row_ready.fill_(True)
             # The next increment over `base` holds what differs from that baseline.
             self.modified_since = {base: modified} if base is not None else {}
@@ -769,8 +760,8 @@ class ShardStore:
             grads = grads.reshape(-1, 1)
         check_finite(grads, "grads")
         with self.lock:
-            self._wait(lambda: self.dense_ready[chunk], "dense chunk not copied yet")
-            self.dense[chunk] = self.opt.apply(self.dense[chunk], grads)
+            self._wait(lambda: self.dense.ready[chunk], "dense chunk not copied yet")
+            self.dense.apply_now(chunk, grads)
 
     def _send_deltas(self, batches: list[DeltaBatch], immediate: bool) -> None:
         """Deliver deltas; a parity server that fails is confirmed with the coordinator, then skipped."""
@@ -823,27 +814,21 @@ class ShardStore:
             if txn in self.outcomes:
                 raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
             for c in dense:
-                if epoch and epoch < self.dense_min_epoch.get(c, 0):
+                if self.dense.stale(c, epoch):
                     raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
-            if not all(self.dense_ready[c] for c in dense):
+            if self.dense.not_ready(dense):
                 # A replacement whose copy of the chunk is not here yet: refused at once, never waited for.
                 # The copy waits for the surviving replica's dense stages to drain, and the worker commits
                 # its stage there only once every part of the pass has answered: waiting here would close
                 # a cycle that only a txnTimeout breaks (a 10 s stall at every recovery's start). The worker
                 # retries the part on its next pass, when the copy (which holds this step's dense update
                 # once the surviving replica committed it) is done.
-                raise Busy(
-                    f"dense chunk {sorted(c for c in dense if not self.dense_ready[c])} not copied yet"
-                )
-            self._wait(lambda: all(c not in self.dense_copying for c in dense), "dense chunk being copied")
+                raise Busy(f"dense chunk {self.dense.not_ready(dense)} not copied yet")
+            self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn", lone)
-            # A step whose dense update the copy from the surviving replica already contains is not
-            # applied again (replicas stay bit-identical).
-            dense = {c: dg for c, dg in dense.items() if step_of(txn) not in self.dense_log[c]}
             part = self.rows.stage(txn, local, grads, self.clock())  # a retried stage gets the same part
-            if dense:
-                self.dense_staged[txn] = {c: dg.clone() for c, dg in dense.items()}
+            self.dense.stage(txn, step_of(txn), dense)
         fault_point("stage:after_local")
         return Staged(local.numel(), list(part.batches))
 
@@ -916,17 +901,11 @@ class ShardStore:
                 self.cond.notify_all()
                 return "committed"
             part = self.rows.staged.get(txn)
-            dense = self.dense_staged.pop(txn, None)
-            if part is None and dense is None:
+            if part is None and txn not in self.dense.staged:
                 return "unknown"
             if part is not None:
                 self.rows.commit(txn)
-            for c, dg in (dense or {}).items():
-                self.dense[c] = self.opt.apply(self.dense[c], dg.reshape(-1, 1))
-                log = self.dense_log[c]
-                log[step_of(txn)] = None
-                while len(log) > 4096:
-                    log.popitem(last=False)
+            self.dense.commit(txn, step_of(txn))
             self._remember(txn, "committed")
             self.cond.notify_all()
         fault_point("commit:after_apply")
@@ -937,7 +916,7 @@ class ShardStore:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            if txn in self.rows.staged or txn in self.dense_staged or txn in self.acting_staged:
+            if txn in self.rows.staged or txn in self.dense.staged or txn in self.acting_staged:
                 return "staged"
             return "unknown"
 
@@ -947,14 +926,14 @@ class ShardStore:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            if txn not in self.acting_staged and txn not in self.rows.staged and txn not in self.dense_staged:
+            if txn not in self.acting_staged and txn not in self.rows.staged and txn not in self.dense.staged:
                 return "unknown"
             acting = self.acting_staged.pop(txn, None)
             if acting is not None:
                 self.parity.abort(txn, acting[0])
                 self.acting_locks[acting[0]].unlock(txn)
             part = self.rows.abort(txn)
-            self.dense_staged.pop(txn, None)
+            self.dense.abort(txn)
             self._remember(txn, "aborted")
             self.cond.notify_all()
         if part is not None:
