@@ -4,9 +4,10 @@
 keeps for other servers' stripes, its dense chunks — and runs every protocol step of docs/protocol.md on
 them. Each role's state is its own object without I/O (core/txn.py: `DataParticipant` for the rows,
 `ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`); the store owns them, the lock,
-the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
-process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
-it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
+the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code
+runs over gRPC in a server process and over direct calls in deterministic in-process tests (`LocalPeers`).
+One mutex guards the state; it is released while waiting for peers, and a condition variable wakes requests
+waiting for busy rows.
 """
 
 from __future__ import annotations
@@ -617,9 +618,8 @@ class ShardStore:
         """The surviving replica's side of copy_dense: from now on reject dense stages older than `epoch`."""
         self._chunk(chunk)
         with self.lock:
-            self.dense.begin_copy(
-                chunk, epoch
-            )  # new stages of the chunk wait, so the in-flight ones can drain
+            # New stages of the chunk wait from here, so the ones in flight can drain.
+            self.dense.begin_copy(chunk, epoch)
             try:
                 self._wait(lambda: not self.dense.in_flight(chunk), "dense txns in flight")
                 return self.dense.copy_out(chunk)

@@ -42,7 +42,8 @@ class UpdateDriver:
         """Apply one step's update with the worker-coordinated 2PC of docs/protocol.md; returns when every
         part is committed exactly once.
 
-        Each pass: (1) stage every remaining part at its data server (or acting home); (2) deliver the
+        Each pass: (1) stage every remaining part at its data server (or acting home) — a pass's only part
+        is sent `lone`, free to wait for older parts' rows (wait-die, docs/protocol.md); (2) deliver the
         deltas of the staged parts to their parity servers, one message per parity server for all parts;
         (3) commit every part whose deltas all arrived; (4) queue the decisions for the parity servers. They
         ride on the next pass's stage to the same server, which applies them before anything else, so they
