@@ -105,6 +105,51 @@ def test_parity_follows_committed_parts_bit_exactly_in_any_order():
             assert pp.pver[row, i] == parts[int(shards[row, i])].versions[locs[row, i]]
 
 
+@pytest.mark.parametrize("case", ["distinct rows", "a row twice", "held delta", "with strays"])
+def test_commit_many_equals_committing_one_by_one(case):
+    """Decisions in one message (commit_many: one scatter where it can) end exactly where committing
+    them one by one does: parity bits, pver, what is held, and each decision's outcome."""
+    server = 0
+    parity, parts = parity_of_members(server)
+    gen = torch.Generator().manual_seed(3)
+
+    def fresh() -> ParityParticipant:
+        return ParityParticipant(
+            server, P, XOR, parity.clone(), torch.zeros(parity.shape[0], P.k, dtype=torch.int64)
+        )
+
+    one, many = fresh(), fresh()
+    keys = []
+    for s in (1, 2, 3):
+        rows = torch.arange(P.rows_on(s))[P.parity_of(s, torch.arange(P.rows_on(s)))[0] == server][:5]
+        waves = 2 if (case == "a row twice" and s == 2) or (case == "held delta" and s == 3) else 1
+        for w in range(waves):
+            txn = f"t{s}-{w}"
+            part = parts[s].stage(txn, rows, torch.randn(rows.numel(), DIM, generator=gen), now=0.0)
+            parts[s].commit(txn)
+            for pp in (one, many):
+                for b in part.batches:
+                    pp.stage(b)
+            keys.append((txn, s))
+    if case == "held delta":  # s=3's second update decided first: held until its predecessor comes
+        for pp in (one, many):
+            pp.commit("t3-1", 3)
+        assert one.held and many.held
+        keys.remove(("t3-1", 3))
+    if case == "with strays":  # a duplicate, one never staged, one aborted before
+        for pp in (one, many):
+            pp.abort("t1-0", 1)
+        keys += [keys[1], ("never", 4)]
+    expected = [one.commit(txn, s) for txn, s in keys]
+    assert many.commit_many(keys) == expected
+    assert torch.equal(many.parity.view(torch.int32), one.parity.view(torch.int32))
+    assert torch.equal(many.pver, one.pver) and many.staged.keys() == one.staged.keys()
+    assert len(many.held) == len(one.held) == 0
+    if case != "with strays":
+        all_committed, _ = _encode_now(server, parts)
+        assert torch.equal(many.parity.view(torch.int32), all_committed.view(torch.int32))
+
+
 def _encode_now(server: int, parts: dict[int, DataParticipant]) -> tuple[torch.Tensor, None]:
     n = P.parity_rows_on(server)
     shards, locs, present = P.stripe_members(server, torch.arange(n))

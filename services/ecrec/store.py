@@ -26,7 +26,7 @@ from ecrec.core.codes import make_code
 from ecrec.core.dense import DenseReplicas
 from ecrec.core.hotrows import make_tracker
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
-from ecrec.core.update import txn_age
+from ecrec.core.update import step_of, txn_age
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
 from ecrec.model import init_dense, init_embedding_rows
@@ -1024,8 +1024,19 @@ class ShardStore:
         fault_point("delta:after_stage")
 
     def decide_many(self, decisions: list[tuple[str, int, bool]]) -> list[str]:
-        """Decisions about staged deltas, (txn, src, commit) each, in one message from the worker."""
-        return [self.decide_deltas(txn, src, commit) for txn, src, commit in decisions]
+        """Decisions about staged deltas, (txn, src, commit) each, in one message from the worker. Commits
+        are applied together (ParityParticipant.commit_many) unless an abort is among them or this server
+        stands in for one of their data servers (its materialized rows must see each one)."""
+        with self.lock:
+            if all(commit and src not in self.acting_cache for _t, src, commit in decisions):
+                out = self.parity.commit_many([(txn, src) for txn, src, _c in decisions])
+                self.cond.notify_all()
+            else:
+                out = None
+        if out is None:
+            return [self.decide_deltas(txn, src, commit) for txn, src, commit in decisions]
+        fault_point("decide:after_apply")
+        return out
 
     def expire(self) -> list[str]:
         """Resolve what a dead worker left undecided (I4): abort its parts staged here, and settle deltas
@@ -1088,11 +1099,6 @@ class ActingCache:
             torch.zeros(rows, dtype=torch.int64),
             torch.zeros(rows, dtype=torch.bool),
         )
-
-
-def step_of(txn: str) -> str:
-    """The worker step a part belongs to: txn ids are "<step>/<part>" (see PSClient.plan_parts)."""
-    return txn.split("/", 1)[0]
 
 
 def _members_of(p, pserver: torch.Tensor, pindex: torch.Tensor):

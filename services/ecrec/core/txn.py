@@ -302,6 +302,31 @@ class ParityParticipant:
         self._resolve(key, "committed")
         return "committed"
 
+    def commit_many(self, keys: list[tuple[str, int]]) -> list[str]:
+        """`commit` of several (txn, src), with the outcome of each. The usual message (a worker's decisions
+        riding on its next stage) takes rows each to their next version, and then the version check and the
+        pver update are done once for all its batches; the deltas are still applied batch by batch (rows of
+        different members share parity records, and a scatter of several deltas into one record would keep
+        only one of them). Anything else — a row not next in version order, records not rebuilt, held deltas
+        waiting — goes one by one through `commit`."""
+        todo = list(dict.fromkeys(k for k in keys if k not in self.resolved and k in self.staged))
+        batches = [b for k in todo for b in self.staged[k]]
+        if len(batches) > 1 and self._all_ready and not self.held:
+            key = torch.cat([self._key(b) for b in batches])
+            version = torch.cat([b.version for b in batches])
+            flat = self.pver.view(-1)
+            # each member row once, each at its next version: then batch order does not matter
+            if bool((version - flat[key] == 1).all()) and torch.unique(key).numel() == key.numel():
+                for b in batches:
+                    self.code.apply_delta_(self.parity, b.index, b.delta)
+                flat[key] = version
+                for k in todo:
+                    del self.staged[k]
+                    self.staged_at.pop(k, None)
+                    self._resolve(k, "committed")
+                return [self.resolved.get(k, "unknown") for k in keys]
+        return [self.commit(txn, src) for txn, src in keys]
+
     def abort(self, txn: str, src: int) -> str:
         """Drop the deltas of (txn, src). Deltas never staged answer "unknown" and leave no trace (a stray
         abort must not make this server ignore deltas that arrive later and are committed)."""

@@ -1,9 +1,10 @@
 """A worker step's update under the worker-coordinated two-phase commit: which parts remain, and where they go.
 
-Pure bookkeeping with no I/O (docs/protocol.md, "Update path"). The driver — UpdateDriver.apply (ecrec.updater) over gRPC,
-or the in-memory worker of tests/netsim.py — asks for a plan under its current view of the cluster map, runs
-the pass (stage, deltas, commit, decisions), and reports each part's outcome back. The step is finished when every row's update
-is applied exactly once and every live replica of every dense chunk holds the step.
+Pure bookkeeping with no I/O (docs/protocol.md, "Update path"). The driver — UpdateDriver.apply
+(ecrec.updater) over gRPC, or the in-memory worker of tests/netsim.py — asks for a plan under its current view
+of the cluster map, runs the pass (stage, deltas, commit, decisions), and reports each part's outcome back.
+The step is finished when every row's update is applied exactly once and every live replica of every dense
+chunk holds the step.
 
 Parts are planned afresh on every pass, so a part whose server died is re-routed: rows of a failed shard go
 to their acting homes (the parity servers of their stripes), and a dense chunk goes to the replicas that do
@@ -38,6 +39,11 @@ def parse_txn(txn: str) -> tuple[str, int, int, int]:
     return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
 
 
+def step_of(txn: str) -> str:
+    """The worker step a part belongs to: part txn ids are "<step>/<part>" (see StepUpdate.plan)."""
+    return txn.split("/", 1)[0]
+
+
 _STEP = re.compile(r"w(\d{1,6})(?:i\d{1,6})?-(\d{1,12})")
 _YOUNGEST = 1 << 62
 
@@ -47,7 +53,7 @@ def txn_age(txn: str) -> tuple[int, int, str]:
     older. Worker steps "w<rank>[i<incarnation>]-<step>[...]" order by step, then rank, so a worker that fell
     behind wins its conflicts and catches up; the whole id breaks ties, so the order is total, and a part's
     retries keep their age (the attempt is not part of the step). Other ids (tests, pushes) are youngest."""
-    step = txn.split("/", 1)[0]
+    step = step_of(txn)
     m = _STEP.match(step)
     if m is None:
         return (_YOUNGEST, 0, txn)
