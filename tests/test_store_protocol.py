@@ -542,13 +542,13 @@ def test_degraded_write_is_refused_once_the_shard_has_a_replacement(ctx):
     sub = ctx.placement.global_id(S, torch.tensor([0]))
     ps = int(ctx.placement.parity_of(S, torch.tensor([0]))[0][0])
     net.call(WORKER, ps, "degraded_pull", S, sub)
-    assert S in net[ps].acting_cache
+    assert S in net[ps].acting.cache
     net.replace(S)
     with pytest.raises(NotOwner):
         net.call(WORKER, ps, "stage", "z/1", sub, torch.ones(1, ctx.dim), S)
     with pytest.raises(NotOwner):
         net.call(WORKER, ps, "degraded_pull", S, sub)
-    assert S not in net[ps].acting_cache
+    assert S not in net[ps].acting.cache
     assert net[ps].staged_count() == 0
 
 

@@ -3,11 +3,11 @@
 `ShardStore` holds the server's tensors — its data row records and their versions, the parity records it
 keeps for other servers' stripes, its dense chunks — and runs every protocol step of docs/protocol.md on
 them. Each role's state is its own object without I/O (core/txn.py: `DataParticipant` for the rows,
-`ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`); the store owns them, the lock,
-the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code
-runs over gRPC in a server process and over direct calls in deterministic in-process tests (`LocalPeers`).
-One mutex guards the state; it is released while waiting for peers, and a condition variable wakes requests
-waiting for busy rows.
+`ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`; core/acting.py: `ActingHome`
+for degraded writes of failed shards' rows); the store owns them, the lock, the waits and the calls to
+peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
+process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
+it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from ecrec.core.acting import ActingHome
 from ecrec.core.codes import make_code
 from ecrec.core.dense import DenseReplicas
 from ecrec.core.hotrows import make_tracker
@@ -207,11 +208,7 @@ class ShardStore:
             ready=torch.full((n_par,), not replacement, dtype=torch.bool),
         )
         # -- degraded writes of failed shards' rows, for which this server is the acting home -----------
-        self.acting_locks: dict[int, RowLocks] = {}
-        self.acting_staged: dict[str, tuple] = {}  # txn -> (src, rows, new records, versions, staged at)
-        # The acting home is the only writer of a failed shard's rows, so it keeps the rows it has decoded
-        # (materialized) and updates them on commit: degraded reads and writes become local after first touch.
-        self.acting_cache: dict[int, ActingCache] = {}
+        self.acting = ActingHome(p.rows_on, ctx.record_width)
         # -- dense chunks -------------------------------------------------------------------------------
         flat = init_dense(*_model_args(ctx), seed=seed)
         records, ready = {}, {}
@@ -404,11 +401,10 @@ class ShardStore:
         for _txn, idx, _slot in self.parity.staged_members(src) + self.parity.held_members(src):
             if bool(torch.isin(idx, index).any()):
                 return True
-        locks = self.acting_locks.get(src)
-        if locks is not None and locks.holders():
+        if self.acting.writing(src):
             shards, locs, present = self.placement.stripe_members(self.shard, index)
             rows = locs[(shards == src) & present]
-            if rows.numel() and locks.busy(rows):
+            if rows.numel() and self.acting.busy(src, rows):
                 return True
         return False
 
@@ -493,41 +489,31 @@ class ShardStore:
         return recs[:, : self.dim]
 
     def lost_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed records and versions of failed shard src's rows: materialized ones from the cache, the
-        rest decoded (and materialized)."""
+        """Committed records and versions of failed shard src's rows: materialized ones from the acting
+        home's cache, the rest decoded (and materialized)."""
+
+        def reflected() -> torch.Tensor:  # the versions the parity records reflect for these rows
+            _, pindex = self.placement.parity_of(src, local)
+            return self.parity.pver[pindex, self.placement.stripe_of(src, local)[1]]
+
+        if local.numel() == 0:
+            return torch.empty(0, self.ctx.record_width), torch.empty(0, dtype=torch.int64)
         with self.lock:
-            cache = self.acting_cache.get(src)
-            hit = cache.valid[local] if cache is not None else torch.zeros(local.numel(), dtype=torch.bool)
-            if bool(hit.any()):
-                # A materialized row is only as good as the version the parity record reflects for it: a
-                # delta of the dead server applied since (committed on its behalf, or held until now) makes
-                # it stale, whatever invalidation missed.
-                _, pindex = self.placement.parity_of(src, local)
-                slot = self.placement.stripe_of(src, local)[1]
-                hit &= cache.versions[local] == self.parity.pver[pindex, slot]
-            if bool(hit.all()):
-                return cache.records[local].clone(), cache.versions[local].clone()
-            generation = cache.generation if cache is not None else 0
-        miss = (~hit).nonzero().squeeze(1)
+            seen = self.acting.lookup(src, local, reflected)
+            if seen.cache is not None and bool(seen.hit.all()):
+                return seen.cache.records[local].clone(), seen.cache.versions[local].clone()
+        miss = (~seen.hit).nonzero().squeeze(1)
         recs = torch.empty(local.numel(), self.ctx.record_width)
         vers = torch.empty(local.numel(), dtype=torch.int64)
         recs[miss], vers[miss] = self.decode_rows(src, local[miss])
         with self.lock:
-            if cache is not None and self.acting_cache.get(src) is cache:
-                h = hit.nonzero().squeeze(1)
-                recs[h], vers[h] = cache.records[local[h]], cache.versions[local[h]]
-                # Materialize only if no dead server's delta was committed on its behalf meanwhile, and not
-                # over rows an acting commit has materialized since (those are newer).
-                if cache.generation == generation:
-                    fresh = ~cache.valid[local[miss]]
-                    rows = local[miss][fresh]
-                    cache.records[rows], cache.versions[rows] = recs[miss][fresh], vers[miss][fresh]
-                    cache.valid[rows] = True
+            self.acting.materialize(src, local, seen, recs, vers)
         return recs, vers
 
     def _check_acting(self, src: int, local: torch.Tensor) -> None:
         if src == self.shard or not self.peers.is_failed(src):
-            self.acting_cache.pop(src, None)
+            with self.lock:
+                self.acting.forget(src)
             raise NotOwner(f"shard {src} is not failed in this server's cluster map (epoch {self.epoch})")
         pserver, _ = self.placement.parity_of(src, local)
         if bool((pserver != self.shard).any()):
@@ -537,13 +523,7 @@ class ShardStore:
         key = getattr(self.peers, "failure_key", None)
         key = key(src) if key is not None else None
         with self.lock:
-            cache = self.acting_cache.get(src)
-            if key is None:
-                self.acting_cache.pop(src, None)
-            elif cache is None or cache.key != key:  # a new failure of src: nothing from before is valid
-                self.acting_cache[src] = ActingCache.empty(
-                    key, self.placement.rows_on(src), self.ctx.record_width
-                )
+            self.acting.begin(src, key)
 
     # ---------------------------------------------------------------------------------------------------
     # recovery of a replacement
@@ -630,12 +610,7 @@ class ShardStore:
     def staged_count(self) -> int:
         """Undecided 2PC state on this server (parts, acting parts, parity deltas, dense stages)."""
         with self.lock:
-            return (
-                len(self.rows.staged)
-                + len(self.acting_staged)
-                + len(self.parity.staged)
-                + len(self.dense.staged)
-            )
+            return len(self.rows.staged) + len(self.acting) + len(self.parity.staged) + len(self.dense.staged)
 
     def recovery_done(self) -> bool:
         return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and self.dense.all_ready()
@@ -835,16 +810,15 @@ class ShardStore:
     def _stage_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
         """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows."""
         with self.lock:
-            if txn in self.acting_staged:  # a retried stage gets the same answer, staged once
+            if txn in self.acting:  # a retried stage gets the same answer, staged once
                 return local.numel()
             if txn in self.outcomes:
                 raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
         self._check_acting(src, local)
         p = self.placement
         with self.lock:
-            locks = self.acting_locks.setdefault(src, RowLocks(p.rows_on(src)))
             self._wait(
-                lambda: not locks.busy(local, txn) and not self._staged_from_rows(src, local),
+                lambda: not self.acting.busy(src, local, txn) and not self._staged_from_rows(src, local),
                 "rows of a failed shard staged by another txn",
                 timeout=ROW_LOCK_WAIT,
             )
@@ -852,12 +826,12 @@ class ShardStore:
             # these rows' parity since, and must not miss a write that starts after its read.
             if not self.peers.is_failed(src):
                 raise NotOwner(f"shard {src} has a replacement now (epoch {self.epoch}): refresh the map")
-            locks.lock(txn, local)
+            self.acting.lock(txn, src, local)
         try:
             old, vers = self.lost_rows(src, local)
         except Exception:
             with self.lock:
-                locks.unlock(txn)
+                self.acting.unlock(txn, src)
                 self.cond.notify_all()
             raise
         new = self.opt.apply(old, grads)
@@ -866,7 +840,7 @@ class ShardStore:
         batch = DeltaBatch(self.shard, txn, src, index, slot, self.code.delta(old, new), vers + 1)
         with self.lock:
             self.parity.stage(batch)
-            self.acting_staged[txn] = (src, local, new, vers + 1, self.clock())
+            self.acting.stage(txn, src, local, new, vers + 1, self.clock())
             self.stats["degraded_rows"] += local.numel()
         fault_point("acting:after_stage")
         return local.numel()
@@ -876,7 +850,7 @@ class ShardStore:
         committed one held until its predecessor is applied?"""
         k = self.placement.k
         for txn, idx, slot in self.parity.staged_members(src) + self.parity.held_members(src):
-            if txn in self.acting_staged:
+            if txn in self.acting:
                 continue
             if bool(torch.isin(idx * k + slot, local).any()):
                 return True
@@ -889,14 +863,9 @@ class ShardStore:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            acting = self.acting_staged.pop(txn, None)
-            if acting is not None:
-                src, local, new, vers, _at = acting
-                self.parity.commit(txn, src)
-                self.acting_locks[src].unlock(txn)
-                cache = self.acting_cache.get(src)
-                if cache is not None:
-                    cache.records[local], cache.versions[local], cache.valid[local] = new, vers, True
+            write = self.acting.commit(txn)
+            if write is not None:
+                self.parity.commit(txn, write.src)
                 self._remember(txn, "committed")
                 self.cond.notify_all()
                 return "committed"
@@ -916,7 +885,7 @@ class ShardStore:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            if txn in self.rows.staged or txn in self.dense.staged or txn in self.acting_staged:
+            if txn in self.rows.staged or txn in self.dense.staged or txn in self.acting:
                 return "staged"
             return "unknown"
 
@@ -926,12 +895,11 @@ class ShardStore:
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
-            if txn not in self.acting_staged and txn not in self.rows.staged and txn not in self.dense.staged:
+            if txn not in self.acting and txn not in self.rows.staged and txn not in self.dense.staged:
                 return "unknown"
-            acting = self.acting_staged.pop(txn, None)
-            if acting is not None:
-                self.parity.abort(txn, acting[0])
-                self.acting_locks[acting[0]].unlock(txn)
+            write = self.acting.abort(txn)
+            if write is not None:
+                self.parity.abort(txn, write.src)
             part = self.rows.abort(txn)
             self.dense.abort(txn)
             self._remember(txn, "aborted")
@@ -951,14 +919,11 @@ class ShardStore:
     def decide_deltas(self, txn: str, src: int, commit: bool) -> str:
         """A parity server's side of a decision about (txn, src)'s staged deltas."""
         with self.lock:
-            cache = self.acting_cache.get(src)
-            if cache is not None and commit and (txn, src) in self.parity.staged:
+            if src in self.acting.cache and commit and (txn, src) in self.parity.staged:
                 # A dead server's own update committed on its behalf changes its lost rows: forget them.
                 k = self.placement.k
-                for t, idx, slot in self.parity.staged_members(src):
-                    if t == txn:
-                        cache.valid[idx * k + slot] = False
-                cache.generation += 1
+                rows = [idx * k + slot for t, idx, slot in self.parity.staged_members(src) if t == txn]
+                self.acting.invalidate(src, torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64))
             out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)
             self.cond.notify_all()
         fault_point("decide:after_apply")
@@ -1028,7 +993,7 @@ class ShardStore:
         are applied together (ParityParticipant.commit_many) unless an abort is among them or this server
         stands in for one of their data servers (its materialized rows must see each one)."""
         with self.lock:
-            if all(commit and src not in self.acting_cache for _t, src, commit in decisions):
+            if all(commit and src not in self.acting.cache for _t, src, commit in decisions):
                 out = self.parity.commit_many([(txn, src) for txn, src, _c in decisions])
                 self.cond.notify_all()
             else:
@@ -1045,11 +1010,11 @@ class ShardStore:
             now = self.clock()
             stale = list(self.rows.expired(now, self.txn_timeout))
             # degraded writes whose worker died expire too, or the failed shard's rows would stay locked
-            stale += [t for t, a in self.acting_staged.items() if now - a[4] > self.txn_timeout]
+            stale += self.acting.expired(now, self.txn_timeout)
             undecided = [
                 (key, now - self.parity.staged_at[key])
                 for key in self.parity.expired(now, self.txn_timeout)
-                if key[0] not in self.acting_staged  # this server's own degraded writes: aborted above
+                if key[0] not in self.acting  # this server's own degraded writes: aborted above
             ]
         for txn in stale:
             self.abort(txn)
@@ -1073,32 +1038,12 @@ class ShardStore:
                 answer = "unknown"
         if answer == "unknown":
             with self.lock:  # a later delta of one of its rows from src proves src committed it
-                if self.parity.proves_commit(txn, src, exclude=self.acting_staged):
+                if self.parity.proves_commit(txn, src, exclude=self.acting.staged):
                     answer = "committed"
         if answer == "committed":
             self.decide_deltas(txn, src, True)
         elif answer == "aborted" or (answer == "unknown" and age > 3 * self.txn_timeout):
             self.decide_deltas(txn, src, False)
-
-
-@dataclass
-class ActingCache:
-    """Materialized rows of one failed shard at its acting home, valid for one failure (`key`)."""
-
-    key: object
-    records: torch.Tensor
-    versions: torch.Tensor
-    valid: torch.Tensor
-    generation: int = 0
-
-    @classmethod
-    def empty(cls, key, rows: int, width: int) -> ActingCache:
-        return cls(
-            key,
-            torch.zeros(rows, width),
-            torch.zeros(rows, dtype=torch.int64),
-            torch.zeros(rows, dtype=torch.bool),
-        )
 
 
 def _members_of(p, pserver: torch.Tensor, pindex: torch.Tensor):
