@@ -72,3 +72,51 @@ def test_load_balance_is_the_most_loaded_server_over_the_mean():
     got = load_balance(dead)
     assert got["work"] == 2.0 and math.isnan(got["cpu"])
     assert all(math.isnan(v) for v in load_balance([]).values())
+
+
+def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_its_own_no_ft(
+    tmp_path, monkeypatch, capsys
+):
+    """A machine that slows down run after run: single runs would favour whichever ran first; the rounds
+    alternate the order, and each round's ratio is against the No FT run of that round."""
+    import ecrec.bench as bench
+
+    order = []
+
+    def speed(i: int) -> float:  # the i-th run's machine: 10% of its first speed slower per run
+        return 1000.0 / (1 + 0.1 * i)
+
+    def fake_run(ctx, out):
+        ft = ctx.spec.fault_tolerance
+        order.append((ft.strategy, ft.ecrec.k, ft.ecrec.two_phase_commit, ft.ecrec.replicate_dense))
+        rate = speed(len(order) - 1) * (1.0 if ft.strategy == "none" else 0.5)
+        return {
+            "samples_per_s": rate,
+            "throughput_series": [[t, rate] for t in range(2, 6)],
+            "elapsed_s": 1000 / rate,
+            "eval": {"auc": 0.7},
+            "spec": {"training": {"steps": 10}, "workers": {"replicas": 2}},
+            "rpcs_served": {"Pull": 100, "Stage": 60},
+            "cpu": {"per_1000_samples": {"worker": 0.02, "server": 0.03, "coordinator": None}},
+            "server_load": [{"work": 1.0, "cpu_s": 1.0}, {"work": 3.0, "cpu_s": 1.0}],
+        }
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    rows = bench.bench_overhead("examples/local-small.yaml", 10, [], tmp_path, rounds=3)
+    n = len(bench.OVERHEAD_CASES)
+    first = order[:n]
+    assert len(set(first)) == n and order[n : 2 * n] == first[::-1] and order[2 * n :] == first
+    assert [r["case"] for r in rows] == [label for label, _ in bench.OVERHEAD_CASES]
+    for c, row in enumerate(rows):
+        # round 1 runs case c c-th, round 2 (backward) (n-1-c)-th, round 3 c-th again; No FT is case 0
+        at = [c, n + (n - 1 - c), 2 * n + c]
+        none = [0, n + (n - 1), 2 * n]
+        expect = [(1.0 if c == 0 else 0.5) * speed(i) / speed(j) for i, j in zip(at, none, strict=True)]
+        assert row["ratios"] == expect and row["ratio"] == sorted(expect)[1]
+    k4 = rows[2]
+    assert k4["rpcs_per_step"] == 8.0 and k4["load"]["work"] == 1.5 and k4["cpu"]["server"] == 0.03
+    assert math.isnan(k4["cpu"]["coordinator"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[2]["ratio per round"] == " / ".join(f"{x:.2f}" for x in k4["ratios"])
+    assert summary[2]["throughput vs No FT (steady)"] == round(k4["ratio"], 3)
+    assert "rounds=3 (medians)" in capsys.readouterr().out

@@ -253,48 +253,75 @@ OVERHEAD_CASES = [
 ]
 
 
-def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path) -> list[dict]:
-    rows = []
-    for label, case in OVERHEAD_CASES:
-        ctx = JobContext(load_job_with(job, [*sets, f"training.steps={steps}", *case]))
-        report = _run(ctx, out_dir / label.replace(" ", "_").replace(",", "").replace("=", ""))
-        rows.append(
-            {
-                "case": label,
-                "mean": report["samples_per_s"],
-                "steady": steady_rate(report),
-                "elapsed_s": report["elapsed_s"],
-                "auc": report["eval"]["auc"],
-                "rpcs_per_step": rpcs_per_step(report),
-                "cpu": _cpu(report),
-                "load": load_balance(report.get("server_load") or []),
-            }
-        )
-        print(
-            f"  {label}: mean {report['samples_per_s']:,.0f} samples/s, steady {rows[-1]['steady']:,.0f}",
-            flush=True,
-        )
-    base = rows[0]
+def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds: int = 1) -> list[dict]:
+    """Every configuration of OVERHEAD_CASES once per round. With several rounds the order alternates
+    (forward, then backward, so that a drift of the machine's speed does not always favour the same
+    configurations), each row gives medians over the rounds, and its ratio to No FT is the median of the
+    per-round ratios — each against the No FT run of its own round, minutes apart at most — which the table
+    also lists: on a machine whose speed drifts, single runs compare badly."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in OVERHEAD_CASES}
+    for r in range(rounds):
+        for label, case in OVERHEAD_CASES if r % 2 == 0 else OVERHEAD_CASES[::-1]:
+            ctx = JobContext(load_job_with(job, [*sets, f"training.steps={steps}", *case]))
+            name = label.replace(" ", "_").replace(",", "").replace("=", "")
+            report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name)
+            runs[label].append(
+                {
+                    "mean": report["samples_per_s"],
+                    "steady": steady_rate(report),
+                    "elapsed_s": report["elapsed_s"],
+                    "auc": report["eval"]["auc"],
+                    "rpcs_per_step": rpcs_per_step(report),
+                    "cpu": _cpu(report),
+                    "load": load_balance(report.get("server_load") or []),
+                }
+            )
+            print(
+                f"  {label}: mean {report['samples_per_s']:,.0f} samples/s, "
+                f"steady {runs[label][-1]['steady']:,.0f}",
+                flush=True,
+            )
+    base = runs[OVERHEAD_CASES[0][0]]
+    rows = [overhead_row(label, runs[label], base) for label, _ in OVERHEAD_CASES]
     columns = [
         Column("configuration", lambda r: r["case"]),
         Column("mean samples/s", lambda r: _round(r["mean"]), "{:,}"),
         Column("steady samples/s", lambda r: _round(r["steady"]), "{:,}"),
-        Column(
-            "throughput vs No FT (steady)",
-            lambda r: _round(r["steady"] / base["steady"], 3) if base["steady"] else float("nan"),
-            "{:.2f}",
-        ),
-        Column(
-            "training-time overhead", lambda r: round(r["elapsed_s"] / base["elapsed_s"] - 1, 4), "{:+.1%}"
-        ),
+        Column("throughput vs No FT (steady)", lambda r: _round(r["ratio"], 3), "{:.2f}"),
+        Column("ratio per round", lambda r: " / ".join(f"{x:.2f}" for x in r["ratios"])),
+        Column("training-time overhead", lambda r: _round(r["overhead"], 4), "{:+.1%}"),
         Column("server RPCs per worker step", lambda r: _round(r["rpcs_per_step"], 2), "{:.1f}"),
         *cpu_columns(),
         Column("server work max/mean", lambda r: _round(r["load"]["work"], 3), "{:.2f}"),
         Column("server CPU max/mean", lambda r: _round(r["load"]["cpu"], 3), "{:.2f}"),
         Column("eval AUC", lambda r: r["auc"], "{:.4f}"),
     ]
-    emit_table(f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}", columns, rows, out_dir)
+    title = f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}"
+    emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), columns, rows, out_dir)
     return rows
+
+
+def overhead_row(label: str, runs: list[dict], base: list[dict]) -> dict:
+    """One configuration's row of `bench overhead` from its runs, round by round against No FT's (`base`)."""
+    ratios = [
+        r["steady"] / b["steady"] if b["steady"] else float("nan") for r, b in zip(runs, base, strict=True)
+    ]
+    overheads = [r["elapsed_s"] / b["elapsed_s"] - 1 for r, b in zip(runs, base, strict=True)]
+    return {
+        "case": label,
+        "ratios": ratios,
+        "ratio": _median(ratios),
+        "overhead": _median(overheads),
+        **{key: _median([r[key] for r in runs]) for key in ("mean", "steady", "auc", "rpcs_per_step")},
+        "cpu": {role: _median([r["cpu"][role] for r in runs]) for role in ROLES},
+        "load": {key: _median([r["load"][key] for r in runs]) for key in ("work", "cpu")},
+    }
+
+
+def _median(values: list[float]) -> float:
+    """The median of the values that are numbers (NaN where a run had none)."""
+    kept = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(kept) if kept else float("nan")
 
 
 def load_balance(server_load: list[dict]) -> dict[str, float]:

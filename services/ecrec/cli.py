@@ -230,7 +230,9 @@ def cmd_bench_server(args) -> int:
 def cmd_bench_overhead(args) -> int:
     from ecrec.bench import bench_overhead
 
-    bench_overhead(args.job, args.steps, args.set or [], Path(args.out))
+    if args.rounds < 1:
+        raise SystemExit("ecrec bench overhead: --rounds must be at least 1")
+    bench_overhead(args.job, args.steps, args.set or [], Path(args.out), rounds=args.rounds)
     return 0
 
 
@@ -466,9 +468,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/bench-server", help="summary.json goes here")
     p.set_defaults(fn=cmd_bench_server)
 
-    p = bench.add_parser("overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication, one run")
+    p = bench.add_parser("overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication")
     p.add_argument("--job", default="examples/local-small.yaml")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in alternating order; report medians and each round's ratio",
+    )
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-overhead")
     p.set_defaults(fn=cmd_bench_overhead)
