@@ -791,14 +791,14 @@ class ShardStore:
             for c in dense:
                 if self.dense.stale(c, epoch):
                     raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
-            if self.dense.not_ready(dense):
+            if missing := self.dense.not_ready(dense):
                 # A replacement whose copy of the chunk is not here yet: refused at once, never waited for.
                 # The copy waits for the surviving replica's dense stages to drain, and the worker commits
                 # its stage there only once every part of the pass has answered: waiting here would close
                 # a cycle that only a txnTimeout breaks (a 10 s stall at every recovery's start). The worker
                 # retries the part on its next pass, when the copy (which holds this step's dense update
                 # once the surviving replica committed it) is done.
-                raise Busy(f"dense chunk {self.dense.not_ready(dense)} not copied yet")
+                raise Busy(f"dense chunk {missing} not copied yet")
             self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn", lone)
@@ -922,8 +922,9 @@ class ShardStore:
             if src in self.acting.cache and commit and (txn, src) in self.parity.staged:
                 # A dead server's own update committed on its behalf changes its lost rows: forget them.
                 k = self.placement.k
-                rows = [idx * k + slot for t, idx, slot in self.parity.staged_members(src) if t == txn]
-                self.acting.invalidate(src, torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64))
+                self.acting.invalidate(
+                    src, torch.cat([b.index * k + b.slot for b in self.parity.staged[(txn, src)]])
+                )
             out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)
             self.cond.notify_all()
         fault_point("decide:after_apply")
