@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from ecrec.bench import Column, _cpu, _round, cpu_columns, emit_table
 
 
@@ -119,4 +121,54 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[2]["ratio per round"] == " / ".join(f"{x:.2f}" for x in k4["ratios"])
     assert summary[2]["throughput vs No FT (steady)"] == round(k4["ratio"], 3)
+    assert "rounds=3 (medians)" in capsys.readouterr().out
+
+
+def test_samples_rate_counts_every_sample_in_the_window():
+    from ecrec.bench import samples_at, samples_rate
+
+    report = {"samples_series": [[0.0, 0], [1.0, 1000], [2.0, 1000], [4.0, 5000]]}
+    assert samples_at(report, 0.5) == 500 and samples_at(report, 3.0) == 3000
+    assert samples_rate(report, 0.5, 3.0) == 2500 / 2.5  # a stall in the middle counts
+    assert math.isnan(samples_at(report, 4.5)) and math.isnan(samples_rate(report, 2.0, 2.0))
+
+
+def test_bench_recovery_rounds_alternate_the_order_and_take_medians(tmp_path, monkeypatch, capsys):
+    import ecrec.bench as bench
+
+    order = []
+
+    def fake_run(ctx, out, kills):
+        assert kills == [(2, 8.0)]
+        scale, group = ctx.spec.model.scale, ctx.spec.fault_tolerance.ecrec.lock_group_rows
+        order.append((scale, group))
+        dip = {1: 0.5, 2: 0.7, 3: 0.9}[len([o for o in order if o == (scale, group)])]  # by round
+        # 1000 samples/s, then `dip` of it from the kill (8 s) to full recovery (10 s)
+        series = [[0.0, 0], [8.0, 8000], [10.0, 8000 + 2000 * dip], [12.0, 10000 + 2000 * dip]]
+        return {
+            "recoveries": [
+                {
+                    "killed_at": 8.0,
+                    "detected_at": 8.2,
+                    "continued_at": 8.3,
+                    "completed_at": 10.0,
+                    "rows_recovered": 100 * scale,
+                }
+            ],
+            "events": [{"kind": "recovery_started", "t": 9.0}],
+            "samples_series": series,
+            "parity_check": {"mismatches": 0},
+            "cpu": {"per_1000_samples": {"worker": 0.02, "server": 0.03, "coordinator": 0.001}},
+        }
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    rows = bench.bench_recovery("examples/local-small.yaml", [1, 4], [4096], 8.0, 10, [], tmp_path, rounds=3)
+    assert order == [(1, 4096), (4, 4096), (4, 4096), (1, 4096), (1, 4096), (4, 4096)]
+    for row in rows:
+        assert row["ratios"] == pytest.approx([0.5, 0.7, 0.9]) and row["during_ratio"] == pytest.approx(0.7)
+        assert row["continue_s"] == pytest.approx(0.3) and row["full_s"] == pytest.approx(2.0)
+        assert row["rebuild_s"] == pytest.approx(1.0) and row["normal"] == pytest.approx(1000.0)
+    assert rows[1]["rows"] == 4 * rows[0]["rows"] and rows[1]["rows_recovered"] == 400
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[0]["ratio per round"] == "0.50 / 0.70 / 0.90"
     assert "rounds=3 (medians)" in capsys.readouterr().out

@@ -116,6 +116,17 @@ def test_throughput_series_from_progress():
     assert series[-1][0] == 2.5
 
 
+def test_samples_series_lists_the_total_where_it_changed():
+    now, coord, api = one_worker_training()
+    for i, samples in enumerate([500, 500, 1500, 1500, 1500, 2000], start=1):
+        now[0] = 100.0 + 0.5 * i
+        api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": i, "samples": samples})
+        coord.tick()
+    series = api.get("/v1/status").json()["samplesSeries"]
+    assert [n for _, n in series] == [0, 500, 1500, 2000]
+    assert [t for t, _ in series][1:] == [0.5, 1.5, 3.0]
+
+
 def test_a_rollback_shows_as_no_progress_not_a_negative_throughput():
     # A checkpoint strategy's rollback takes the samples count back; the status schema (samplesPerSecond >= 0)
     # refused the negative rate, and the operator's reconcile failed until the window had passed it.

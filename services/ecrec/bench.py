@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -201,6 +202,24 @@ def steady_rate(report: dict, start: float = 2.0, end: float | None = None) -> f
     return statistics.median(vals) if vals else float("nan")  # a window shorter than one sample
 
 
+def samples_at(report: dict, t: float) -> float:
+    """Total samples trained `t` seconds into training, interpolated linearly between the coordinator's
+    observations of the total (`samples_series`); NaN outside them."""
+    series = report.get("samples_series") or []
+    for (t0, n0), (t1, n1) in itertools.pairwise(series):
+        if t0 <= t <= t1:
+            return n0 + (n1 - n0) * (t - t0) / (t1 - t0) if t1 > t0 else float(n1)
+    return float("nan")
+
+
+def samples_rate(report: dict, start: float, end: float) -> float:
+    """Samples/s over [start, end]: every sample trained in the window, over its length — where
+    `steady_rate`, a median of trailing 1 s rates, says little about a window of one or two seconds."""
+    if not end > start:
+        return float("nan")
+    return (samples_at(report, end) - samples_at(report, start)) / (end - start)
+
+
 TRAINING_RPCS = (
     "Pull",
     "Push",
@@ -339,6 +358,39 @@ def load_balance(server_load: list[dict]) -> dict[str, float]:
     }
 
 
+RECOVERY_KEYS = (
+    "continue_s",
+    "full_s",
+    "rebuild_s",
+    "rows_recovered",
+    "normal",
+    "during_ratio",
+    "rebuild_ratio",
+)
+
+
+def recovery_run(report: dict) -> dict:
+    """One `bench recovery` run's numbers. Throughput is samples trained over a window (`samples_rate`):
+    normal from 2 s (after the warm-up) to the kill, "during" from the kill to full recovery — the issue's
+    measure, stall included — and "rebuild" from the replacement's first lock group to full recovery."""
+    (rec,) = report["recoveries"]
+    started = next(e["t"] for e in report["events"] if e["kind"] == "recovery_started")
+    normal = samples_rate(report, 2.0, rec["killed_at"])
+    during = samples_rate(report, rec["killed_at"], rec["completed_at"])
+    rebuild = samples_rate(report, started, rec["completed_at"])
+    return {
+        "continue_s": rec["continued_at"] - rec["killed_at"],
+        "full_s": rec["completed_at"] - rec["killed_at"],
+        "rebuild_s": rec["completed_at"] - started,
+        "rows_recovered": rec["rows_recovered"],
+        "normal": normal,
+        "during_ratio": during / normal if normal else float("nan"),
+        "rebuild_ratio": rebuild / normal if normal else float("nan"),
+        "parity_mismatches": report["parity_check"]["mismatches"],
+        "cpu": _cpu(report),
+    }
+
+
 def load_job_with(path: str, overrides: list[str]):
     from ecrec.spec import load_job
 
@@ -346,11 +398,24 @@ def load_job_with(path: str, overrides: list[str]):
 
 
 def bench_recovery(
-    job: str, scales: list[int], groups: list[int], kill_at: float, steps: int, sets: list[str], out_dir: Path
+    job: str,
+    scales: list[int],
+    groups: list[int],
+    kill_at: float,
+    steps: int,
+    sets: list[str],
+    out_dir: Path,
+    rounds: int = 1,
 ) -> list[dict]:
-    rows = []
-    for scale in scales:
-        for group in groups:
+    """Server 2 SIGKILLed `kill_at` seconds into training, for every (scale, lock group rows); with several
+    rounds every configuration runs once per round, in alternating order, and each row gives medians over
+    the rounds and lists each round's throughput ratio (a recovery lasts one or two seconds: one run says
+    little about the throughput through it)."""
+    configs = [(scale, group) for scale in scales for group in groups]
+    runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
+    model_rows: dict[tuple[int, int], int] = {}
+    for r in range(rounds):
+        for scale, group in configs if r % 2 == 0 else configs[::-1]:
             ctx = JobContext(
                 load_job_with(
                     job,
@@ -363,44 +428,43 @@ def bench_recovery(
                     ],
                 )
             )
-            report = _run(ctx, out_dir / f"scale{scale}_group{group}", kills=[(2, kill_at)])
-            (rec,) = report["recoveries"]
-            started = next(e["t"] for e in report["events"] if e["kind"] == "recovery_started")
-            normal = steady_rate(report, 2.0, rec["killed_at"])
-            during = steady_rate(report, rec["detected_at"], rec["completed_at"])
-            rebuild = steady_rate(report, started, rec["completed_at"])
-            row = {
-                "scale": scale,
-                "rows": ctx.model.num_rows,
-                "group": group,
-                "continue_s": rec["continued_at"] - rec["killed_at"],
-                "full_s": rec["completed_at"] - rec["killed_at"],
-                "rebuild_s": rec["completed_at"] - started,
-                "rows_recovered": rec["rows_recovered"],
-                "normal": normal,
-                "during_ratio": during / normal if normal else float("nan"),
-                "rebuild_ratio": rebuild / normal if normal else float("nan"),
-                "parity_mismatches": report["parity_check"]["mismatches"],
-                "cpu": _cpu(report),
-            }
-            rows.append(row)
+            name = f"scale{scale}_group{group}"
+            out = out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name
+            report = _run(ctx, out, kills=[(2, kill_at)])
+            model_rows[(scale, group)] = ctx.model.num_rows
+            run = recovery_run(report)
+            runs[(scale, group)].append(run)
             print(
-                f"  scale {scale} group {group}: continue {row['continue_s']:.2f}s, full {row['full_s']:.1f}s "
-                f"(rebuild {row['rebuild_s']:.2f}s), during/normal {row['during_ratio']:.2f}",
+                f"  scale {scale} group {group}: continue {run['continue_s']:.2f}s, full {run['full_s']:.1f}s "
+                f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}",
                 flush=True,
             )
+    rows = []
+    for (scale, group), rs in runs.items():
+        rows.append(
+            {
+                "scale": scale,
+                "rows": model_rows[(scale, group)],
+                "group": group,
+                "ratios": [r["during_ratio"] for r in rs],
+                **{key: _median([r[key] for r in rs]) for key in RECOVERY_KEYS},
+                "parity_mismatches": max(r["parity_mismatches"] for r in rs),
+                "cpu": {role: _median([r["cpu"][role] for r in rs]) for role in ROLES},
+            }
+        )
     columns = [
         Column("model rows", lambda r: r["rows"], "{:,}"),
         Column("lock group rows", lambda r: r["group"], "{:,}"),
         Column("time to continue s", lambda r: _round(r["continue_s"], 3), "{:.2f}"),
         Column("time to full recovery s", lambda r: _round(r["full_s"], 3), "{:.1f}"),
         Column("of which rebuild s", lambda r: _round(r["rebuild_s"], 3), "{:.2f}"),
-        Column("rows rebuilt", lambda r: r["rows_recovered"], "{:,}"),
+        Column("rows rebuilt", lambda r: round(r["rows_recovered"]), "{:,}"),
         Column("throughput kill→recovered / normal", lambda r: _round(r["during_ratio"], 3), "{:.2f}"),
+        Column("ratio per round", lambda r: " / ".join(f"{x:.2f}" for x in r["ratios"])),
         Column("throughput while rebuilding / normal", lambda r: _round(r["rebuild_ratio"], 3), "{:.2f}"),
         *cpu_columns(),
-        Column("parity mismatches", lambda r: r["parity_mismatches"]),
+        Column("parity mismatches (most in a run)", lambda r: r["parity_mismatches"]),
     ]
     title = f"# ecrec bench recovery: {job} {' '.join(sets)}, server 2 SIGKILLed at {kill_at}s"
-    emit_table(title, columns, rows, out_dir)
+    emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), columns, rows, out_dir)
     return rows

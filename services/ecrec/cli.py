@@ -246,6 +246,8 @@ def cmd_bench_handlers(args) -> int:
 def cmd_bench_recovery(args) -> int:
     from ecrec.bench import bench_recovery
 
+    if args.rounds < 1:
+        raise SystemExit("ecrec bench recovery: --rounds must be at least 1")
     bench_recovery(
         args.job,
         [int(x) for x in args.scales.split(",")],
@@ -254,6 +256,7 @@ def cmd_bench_recovery(args) -> int:
         args.steps,
         args.set or [],
         Path(args.out),
+        rounds=args.rounds,
     )
     return 0
 
@@ -499,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", default="4096,65536", help="lockGroupRows values")
     p.add_argument("--kill-at", type=float, default=10.0)
     p.add_argument("--steps", type=int, default=400)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, in alternating order; report medians and each round's ratio",
+    )
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-recovery")
     p.set_defaults(fn=cmd_bench_recovery)

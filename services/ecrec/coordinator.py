@@ -207,6 +207,16 @@ class JobProgress:
                 out.append([round(self.rel(t), 3), max(0.0, round((n - log_[j][1]) / (t - log_[j][0]), 1))])
         return out
 
+    def samples_series(self) -> list[list[float]]:
+        """[seconds since start, total samples] where the total changed: where rates over an arbitrary
+        window are computed from (a benchmark's kill-to-recovery window is shorter than `series`' trailing
+        one, which would blur it)."""
+        out: list[list[float]] = []
+        for t, n in self.samples_log:
+            if not out or n != out[-1][1]:
+                out.append([self.rel(t), n])
+        return out
+
     def recent_rate(self, window: float = 2.0) -> float:
         s = self.series(window)
         return s[-1][1] if s else 0.0
@@ -976,6 +986,7 @@ class Coordinator:
                 "meanSamplesPerSecond": round(p.total_samples / elapsed, 1) if elapsed > 0 else 0.0,
                 "workers": [vars(w) for w in sorted(p.workers.values(), key=lambda w: w.rank)],
                 "throughputSeries": p.series(),
+                "samplesSeries": p.samples_series(),
                 "events": list(p.events),
                 "recoveries": [r.to_dict(p.started_at) for r in self.recoveries],
                 **({"checkpointing": self.ckpt.stats()} if self.ckpt is not None else {}),

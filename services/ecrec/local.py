@@ -593,6 +593,7 @@ def run_local(
         "samples": status["samples"],
         "elapsed_s": status["elapsedSeconds"],
         "throughput_series": status["throughputSeries"],
+        "samples_series": status["samplesSeries"],
         "eval": evaluation,
         "params_sha256": digest,
         "events": [{k: v for k, v in e.items() if k != "wall"} for e in status["events"]],
