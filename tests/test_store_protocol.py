@@ -441,6 +441,60 @@ def test_hot_rows_wait_die_older_waits_younger_answers_busy_unless_lone(ctx, mon
     assert net.staged_total() == 0
 
 
+def test_degraded_writes_wait_die_at_the_acting_home_as_data_servers_do(ctx, monkeypatch):
+    """Two workers' degraded writes of a failed shard's hot rows, at two acting homes in opposite orders,
+    would each wait for the other until the bound: the younger answers Busy after the grace, the older
+    waits for the younger's commit, and a lone one may wait for an older one (found in the recovery
+    benchmark: "rows of a failed shard staged by another txn: still busy after 0.05s" through a failure)."""
+    monkeypatch.setattr(store_mod, "ROW_LOCK_WAIT", 5.0)  # waits here end by commits, not by the bound
+    net, twin = Net(ctx, wait_timeout=5.0), Net(ctx)
+    net.kill(S)
+    g = rows_of(ctx, S)
+    ps = int(ctx.placement.parity_of(S, torch.arange(g.numel()))[0][0])
+    g = g[ctx.placement.parity_of(S, torch.arange(g.numel()))[0] == ps][:6]  # rows whose acting home is ps
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(6, ctx.dim, generator=gen) for _ in range(4)]
+
+    def write(txn: str, i: int, lone: bool = False) -> None:
+        net.call(WORKER, ps, "stage", txn, g, grads[i], S, {}, 0, (), lone)
+
+    def done(txn: str, i: int) -> None:
+        assert net.call(WORKER, ps, "commit", txn) == "committed"
+        commit_part(twin, S, txn, stage_part(twin, S, txn, g, grads[i]))
+
+    young = f"w1-9/{ps}.{S}.0"
+    write(young, 0)
+    box = {}
+    older = threading.Thread(target=lambda: box.setdefault("old", write(f"w0-3/{ps}.{S}.0", 1) or True))
+    older.start()
+    _until_waiting(net[ps])  # the older one waits, it is not refused
+    assert "old" not in box
+    done(young, 0)
+    older.join(5)
+    assert box["old"]
+    done(f"w0-3/{ps}.{S}.0", 1)
+    # an older write holds the rows: a younger one is refused after the grace, with why
+    write(f"w0-4/{ps}.{S}.0", 2)
+    started = time.monotonic()
+    with pytest.raises(Busy, match="older part"):
+        write(f"w1-10/{ps}.{S}.0", 3)
+    assert time.monotonic() - started < 1.0  # after YOUNGER_WAIT, not after the (here 5 s) bound
+    # ... but sent lone, it waits for the older one's commit
+    t = threading.Thread(
+        target=lambda: box.setdefault("lone", write(f"w1-10/{ps}.{S}.1", 3, lone=True) or True)
+    )
+    t.start()
+    _until_waiting(net[ps])
+    done(f"w0-4/{ps}.{S}.0", 2)
+    t.join(5)
+    done(f"w1-10/{ps}.{S}.1", 3)
+    assert net.staged_total() == 0
+    recs, vers = lost_rows_at_acting_homes(net, S)
+    local = ctx.placement.local_row(g)
+    assert torch.equal(bits(recs[local]), bits(twin[S].rows.records[local]))
+    assert torch.equal(vers[local], twin[S].rows.versions[local])
+
+
 def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):
     net, twin = Net(ctx, wait_timeout=0.2), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)

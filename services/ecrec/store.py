@@ -783,7 +783,7 @@ class ShardStore:
         if decisions:  # checked above; applied before this stage can wait for anything
             self.decide_many(list(decisions))
         if src != self.shard:
-            return Staged(self._stage_acting(txn, src, local, grads), [])
+            return Staged(self._stage_acting(txn, src, local, grads, lone), [])
         self.ensure_rows(local)
         with self.lock:
             if txn in self.outcomes:
@@ -807,8 +807,13 @@ class ShardStore:
         fault_point("stage:after_local")
         return Staged(local.numel(), list(part.batches))
 
-    def _stage_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
-        """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows."""
+    def _stage_acting(
+        self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor, lone: bool = False
+    ) -> int:
+        """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows. Rows
+        another worker's degraded write holds are waited for under wait-die, like a data server's
+        (_wait_rows): two workers' degraded writes of hot rows at two acting homes would otherwise each wait
+        for the other until ROW_LOCK_WAIT ran out."""
         with self.lock:
             if txn in self.acting:  # a retried stage gets the same answer, staged once
                 return local.numel()
@@ -817,11 +822,17 @@ class ShardStore:
         self._check_acting(src, local)
         p = self.placement
         with self.lock:
-            self._wait(
-                lambda: not self.acting.busy(src, local, txn) and not self._staged_from_rows(src, local),
-                "rows of a failed shard staged by another txn",
-                timeout=ROW_LOCK_WAIT,
-            )
+            while True:
+                # the dead server's own undecided deltas: decided by their workers (or on expiry), soon
+                self._wait(
+                    lambda: not self._staged_from_rows(src, local),
+                    "rows of a failed shard with an undecided update of its own",
+                    timeout=ROW_LOCK_WAIT,
+                )
+                if (locks := self.acting.locks.get(src)) is not None:
+                    self._wait_rows(locks, local, txn, "rows of a failed shard staged by another txn", lone)
+                if not self._staged_from_rows(src, local):  # none came back while this waited
+                    break
             # Checked again under the lock (the wait released it): a replacement's rebuild may have read
             # these rows' parity since, and must not miss a write that starts after its read.
             if not self.peers.is_failed(src):
