@@ -4,8 +4,8 @@
 keeps for other servers' stripes, its dense chunks — and runs every protocol step of docs/protocol.md on
 them. Each role's state is its own object without I/O (core/txn.py: `DataParticipant` for the rows,
 `ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`; core/acting.py: `ActingHome`
-for degraded writes of failed shards' rows); the store owns them, the lock, the waits and the calls to
-peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
+for degraded writes of failed shards' rows; core/stripes.py: what a decode or a re-encode reads and what it
+gives); the store owns them, the lock, the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
 process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
 it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
 """
@@ -26,6 +26,7 @@ from ecrec.core.acting import ActingHome
 from ecrec.core.codes import make_code
 from ecrec.core.dense import DenseReplicas
 from ecrec.core.hotrows import make_tracker
+from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
 from ecrec.core.update import step_of, txn_age
 from ecrec.faults import fault_point
@@ -91,13 +92,6 @@ class Busy(Exception):
 
 class NotOwner(Exception):
     """The request was routed with an outdated cluster map (the worker refreshes it and retries)."""
-
-
-@dataclass
-class ReadResult:
-    records: torch.Tensor
-    versions: torch.Tensor
-    ready: torch.Tensor | None = None
 
 
 class Peers(Protocol):
@@ -411,73 +405,45 @@ class ShardStore:
     # ---------------------------------------------------------------------------------------------------
     # decoding (degraded reads, acting-home writes, recovery)
     def decode_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Records and versions of shard src's rows, decoded from their stripes (consistent cut)."""
-        p = self.placement
+        """Records and versions of shard src's rows, decoded from their stripes (consistent cut). The
+        parity records and the other members are read in one round (ecrec.core.stripes); stripes a commit
+        was crossing are read again."""
         out = torch.empty(local.numel(), self.ctx.record_width)
         vers = torch.empty(local.numel(), dtype=torch.int64)
-        slot_all = p.stripe_of(src, local)[1]
         todo = torch.arange(local.numel())
+        # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
+        # degraded read or write at the acting home reads committed state (and holds the row lock itself).
+        plan = StripeDecode(self.placement, src, local, wait_src=src if src == self.shard else -1)
         for _attempt in range(CONSISTENT_READ_TRIES):
-            rows = local[todo]
-            pserver, pindex = p.parity_of(src, rows)
-            # Parity records (+ the versions they reflect), grouped by parity server.
-            par = torch.empty(rows.numel(), self.ctx.record_width)
-            pver = torch.empty(rows.numel(), max(p.k, 1), dtype=torch.int64)
-            reqs, poss = [], []
-            # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
-            # degraded read or write at the acting home reads committed state (and holds the row lock itself).
-            wait_src = src if src == self.shard else -1
-            for server in pserver.unique().tolist():
-                pos = (pserver == server).nonzero().squeeze(1)
-                reqs.append((server, "parity", pindex[pos], wait_src))
-                poss.append(pos)
-            for pos, res in zip(poss, self._read_many(reqs), strict=True):
-                if res.ready is not None and not bool(res.ready.all()):
-                    raise PeerFailed(-1, "parity record not rebuilt: a second failure in the stripe")
-                par[pos], pver[pos] = res.records, res.versions
-            # The other members of each stripe, grouped by their server.
-            slot = slot_all[todo]
-            members = torch.zeros(p.k, rows.numel(), self.ctx.record_width)
-            mvers = pver.clone()
-            shards, locs, present = _members_of(p, pserver, pindex)
-            want = present.clone()
-            want[torch.arange(rows.numel()), slot] = False
-            reqs, where = [], []
-            for server in shards[want].unique().tolist():
-                sel = want & (shards == server)
-                ri, sj = sel.nonzero(as_tuple=True)
-                reqs.append((server, "data", locs[ri, sj], -1))
-                where.append((ri, sj))
-            for (ri, sj), res in zip(where, self._read_many(reqs), strict=True):
-                members[sj, ri] = res.records
-                mvers[ri, sj] = res.versions
-            consistent = (mvers == pver).all(dim=1)
-            members[slot, torch.arange(rows.numel())] = 0.0
-            decoded = self.code.decode(par, members)
+            try:
+                decoded, versions, consistent = plan.decode(
+                    self.code, self.ctx.record_width, self._read_many(plan.reads)
+                )
+            except SecondFailure as e:
+                raise PeerFailed(-1, str(e)) from e
             if not self.code.exact:  # rounding may leave state outside its domain (docs/protocol.md)
                 decoded = self.opt.project(decoded, self.dim)
-            ok = consistent.nonzero().squeeze(1)
-            out[todo[ok]] = decoded[ok]
-            vers[todo[ok]] = pver[ok, slot[ok]]
+            out[todo[consistent]] = decoded[consistent]
+            vers[todo[consistent]] = versions[consistent]
             todo = todo[~consistent]
             if todo.numel() == 0:
                 if self.tap is not None:
                     self.tap.decoded(src, local, vers, out)
                 return out, vers
+            plan = plan.rest(consistent)
             time.sleep(0.002)  # a commit is between a member and its parity server: read again
         raise Busy(f"could not read a consistent cut of {todo.numel()} stripes")
 
-    def _read_many(self, reqs: list[tuple[int, str, torch.Tensor, int]]) -> list[ReadResult]:
-        """Reads from peers; reads addressed to this server are served locally."""
-        out: list[ReadResult | None] = [None] * len(reqs)
-        remote = [(i, r) for i, r in enumerate(reqs) if r[0] != self.shard]
-        for i, (_s, kind, index, src) in enumerate(reqs):
-            if reqs[i][0] == self.shard:
-                out[i] = self.read_rows(kind, index, src)
+    def _read_many(self, reads: list[Read]) -> list[ReadResult]:
+        """Reads from peers, all at once; reads addressed to this server are served locally."""
+        out: list[ReadResult | None] = [None] * len(reads)
+        remote = [(i, r) for i, r in enumerate(reads) if r.server != self.shard]
+        for i, r in enumerate(reads):
+            if r.server == self.shard:
+                out[i] = self.read_rows(r.kind, r.index, r.src)
         if remote:
-            for (i, _r), res in zip(
-                remote, self.peers.read_rows([r for _i, r in remote], self.epoch), strict=True
-            ):
+            requests = [(r.server, r.kind, r.index, r.src) for _i, r in remote]
+            for (i, _r), res in zip(remote, self.peers.read_rows(requests, self.epoch), strict=True):
                 out[i] = res
         return out  # type: ignore[return-value]
 
@@ -559,24 +525,13 @@ class ShardStore:
 
     def rebuild_parity(self, index: torch.Tensor) -> int:
         """Re-encode parity records from their members' current records (versions make the cut exact)."""
-        p = self.placement
         index = index[~self.parity.ready[index]]
         if index.numel() == 0:
             return 0
-        shards, locs, present = p.stripe_members(self.shard, index)
-        members = torch.zeros(p.k, index.numel(), self.ctx.record_width)
-        vers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
-        reqs, where = [], []
-        for server in shards[present].unique().tolist():
-            sel = present & (shards == server)
-            ri, sj = sel.nonzero(as_tuple=True)
-            reqs.append((server, "data", locs[ri, sj], self.shard))  # waits for staged rows: see read_rows
-            where.append((ri, sj))
-        for (ri, sj), res in zip(where, self._read_many(reqs), strict=True):
-            members[sj, ri] = res.records
-            vers[ri, sj] = res.versions
+        plan = StripeEncode(self.placement, self.shard, index)  # its reads wait for staged rows: read_rows
+        records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
         with self.lock:
-            self.parity.install(index, self.code.encode(members), vers)
+            self.parity.install(index, records, vers)
             self.cond.notify_all()
         return index.numel()
 
@@ -1056,19 +1011,6 @@ class ShardStore:
             self.decide_deltas(txn, src, True)
         elif answer == "aborted" or (answer == "unknown" and age > 3 * self.txn_timeout):
             self.decide_deltas(txn, src, False)
-
-
-def _members_of(p, pserver: torch.Tensor, pindex: torch.Tensor):
-    """stripe_members for rows whose parity records sit on different servers."""
-    n = pindex.numel()
-    shards = torch.empty(n, p.k, dtype=torch.int64)
-    locs = torch.empty(n, p.k, dtype=torch.int64)
-    present = torch.empty(n, p.k, dtype=torch.bool)
-    for server in pserver.unique().tolist():
-        pos = (pserver == server).nonzero().squeeze(1)
-        s, loc, pr = p.stripe_members(server, pindex[pos])
-        shards[pos], locs[pos], present[pos] = s, loc, pr
-    return shards, locs, present
 
 
 def _model_args(ctx: JobContext) -> tuple:
