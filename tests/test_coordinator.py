@@ -256,3 +256,38 @@ def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp
         coord.complete_restore(1, 0, time.time())
     assert api.post("/recoveries", json={"shard": 1}).status_code == 200  # late: answers the record
     assert [r["state"] for r in api.get("/recoveries").json()] == ["completed"]
+
+
+def test_time_to_continue_is_the_first_step_after_the_detection_not_the_reports_latest():
+    # Workers report every 0.5 s; the report's latest step can be up to that much later than the first step
+    # trained after a failure was detected, which is what "time to continue" measures.
+    ctx = make_ctx(
+        workers__replicas=1, servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
+    )
+    now = [100.0]
+    coord = Coordinator(ctx.job, clock=lambda: now[0], probe=lambda a, i: False)  # probes find it dead
+    api = TestClient(create_app(coord))
+    for s in range(3):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"})
+
+    def report(step: int, times: list[float]) -> None:
+        body = {"rank": 0, "instance": "w0", "step": step, "samples": 64 * step}
+        r = api.post("/v1/workers/progress", json=body | {"stepTimes": times, "lastStepAt": times[-1]})
+        assert r.status_code == 200, r.text
+
+    now[0] = 100.5
+    report(2, [100.2, 100.4])
+    now[0] = 101.0
+    api.post("/v1/failures", json={"shard": 1})
+    now[0] = 101.5
+    report(6, [100.6, 100.9, 101.1, 101.45])
+    (rec,) = coord.recoveries
+    assert rec.detected_at == 101.0 and rec.continued_at == 101.1
+    events = api.get("/v1/status").json()["events"]
+    assert [e["t"] for e in events if e["kind"] == "training_continued"] == [1.1]
+    now[0] = 102.0
+    report(9, [101.6, 101.8, 101.9])  # the first stays
+    assert rec.continued_at == 101.1
+    body = {"rank": 0, "instance": "w0", "step": 9, "samples": 576, "stepTimes": [1.0] * 257}
+    assert api.post("/v1/workers/progress", json=body).status_code == 422  # more than a report carries

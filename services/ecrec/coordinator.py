@@ -26,13 +26,13 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from ecrec import auth
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
 from ecrec.core.cpu import CpuAccount
-from ecrec.core.recovery import RecoveryRecord, plan_recovery
+from ecrec.core.recovery import MAX_STEP_TIMES, RecoveryRecord, plan_recovery
 from ecrec.core.spares import SparePool
 from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
@@ -116,6 +116,9 @@ class Progress(BaseModel):
     done: bool = False
     error: str | None = None
     lastStepAt: float | None = None  # wall-clock time the worker's latest step completed
+    # when each step since the previous report completed (the latest MAX_STEP_TIMES): a recovery's time to
+    # continue is the first of them after the detection, not the report's latest step
+    stepTimes: list[float] = Field(default_factory=list, max_length=MAX_STEP_TIMES)
     # Checkpoint strategies: the checkpoint it is paused for, the rollback generation it has caught up with.
     paused: int | None = None
     stopped: int = 0
@@ -691,18 +694,15 @@ class Coordinator:
             self.reports.check(req.degradedReads, req.degradedWrites, latency)
             if req.step > w.step:
                 self.last_step_at = self.clock()
-            if req.lastStepAt is not None:
-                for rec in self.recoveries:
-                    if (
-                        rec.detected_at is not None
-                        and rec.continued_at is None
-                        and req.lastStepAt > rec.detected_at
-                    ):
-                        rec.continued_at = req.lastStepAt
-                        self.progress.event("training_continued", req.lastStepAt, shard=rec.shard)
-                        self.metrics.of(self.metrics.time_to_continue).observe(
-                            req.lastStepAt - (rec.killed_at or rec.detected_at)
-                        )
+            steps_at = sorted(t for t in req.stepTimes if math.isfinite(t))
+            if req.lastStepAt is not None and math.isfinite(req.lastStepAt):
+                steps_at.append(req.lastStepAt)
+            for rec in self.recoveries:
+                if (first := rec.continue_at(steps_at)) is not None:
+                    self.progress.event("training_continued", first, shard=rec.shard)
+                    self.metrics.of(self.metrics.time_to_continue).observe(
+                        first - (rec.killed_at or rec.detected_at)
+                    )
             if w.lost:
                 return {"epoch": self.cluster.epoch}
             w.heard_at = self.clock()

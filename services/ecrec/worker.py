@@ -9,6 +9,7 @@ acknowledged before the next pull, so a run is a pure function of the spec.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import math
 import os
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from ecrec import auth, faults
 from ecrec.client import Pending, PSClient
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
+from ecrec.core.recovery import MAX_STEP_TIMES
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
@@ -244,6 +246,8 @@ class ProgressReporter:
         self.step = self.samples = 0
         self.loss: float | None = None
         self.last_step_at: float | None = None
+        # when each step since the last report completed (the latest MAX_STEP_TIMES)
+        self.step_times: collections.deque[float] = collections.deque(maxlen=MAX_STEP_TIMES)
         self.counters = None  # PSClient.report_counters: degraded rows and RPC latency, for /metrics
         # The checkpoint strategies: what this worker holds for, and the coordinator's latest control.
         self.paused: int | None = None
@@ -260,6 +264,12 @@ class ProgressReporter:
     def start(self) -> None:
         self._thread.start()
 
+    def stepped(self, step: int, samples: int, loss: float, at: float) -> None:
+        """A step completed at wall-clock time `at`."""
+        with self.lock:
+            self.step, self.samples, self.loss, self.last_step_at = step, samples, loss, at
+            self.step_times.append(at)
+
     def _post(self, done: bool | None = None, error: str | None = None) -> None:
         """One report; `done` None: as the counters say (read with them)."""
         with self.lock:
@@ -274,11 +284,13 @@ class ProgressReporter:
                 "done": self.done if done is None else done,
                 "error": error,
                 "lastStepAt": self.last_step_at,
+                "stepTimes": list(self.step_times),
                 "paused": self.paused,
                 "stopped": self.stopped,
                 "resumed": self.resumed,
                 "cpuSeconds": time.process_time(),
             }
+            self.step_times.clear()  # a report that fails loses them: only a recovery's precision suffers
         answer = self.link.progress(body | (self.counters() if self.counters is not None else {}))
         if answer.get("control") is not None:
             self.control = answer["control"]
@@ -485,8 +497,7 @@ def run_worker(
                     in_flight = None
                     holds.server_lost(e)  # then a rollback (next check), or the step again once it is back
                     continue
-                reporter.step, reporter.samples, reporter.loss = step + 1, (step + 1) * B, loss
-                reporter.last_step_at = time.time()
+                reporter.stepped(step + 1, (step + 1) * B, loss, time.time())
                 metrics.of(metrics.steps).inc()
                 metrics.of(metrics.samples).inc(B)
                 step += 1

@@ -31,6 +31,9 @@ def plan_recovery(data_rows: int, parity_rows: int, lock_group_rows: int) -> lis
     return steps
 
 
+MAX_STEP_TIMES = 256  # step completion times one worker report carries (the latest ones)
+
+
 @dataclass
 class RecoveryRecord:
     """One failure of one shard, from kill (if known) to full recovery; times are wall-clock seconds."""
@@ -60,6 +63,14 @@ class RecoveryRecord:
         "parity_recovered",
         "state",
     )
+
+    def continue_at(self, steps_at: list[float]) -> float | None:
+        """Note when training continued after the detection, from the completion times of steps a worker
+        reported (sorted); returns it the first time there is one, else None."""
+        if self.detected_at is None or self.continued_at is not None:
+            return None
+        self.continued_at = next((t for t in steps_at if t > self.detected_at), None)
+        return self.continued_at
 
     def seed(self) -> dict:
         """The record as a successor coordinator restores it (wall-clock times, no plan)."""
