@@ -503,7 +503,10 @@ class ShardStore:
         """Rebuild one lock group: lock, gather + decode, install, unlock (queued requests then run)."""
         group = f"{REBUILD_TXN}{id(local)}:{time.monotonic_ns()}"
         with self.lock:
-            self._wait(lambda: not self.rows.locks.busy(local), "rows being rebuilt")
+            # Only rows not rebuilt yet: they can be locked by another group, never staged (a stage rebuilds
+            # its rows first). Rows already rebuilt may be staged by a worker's part, and a pull that also
+            # needs some rows rebuilt must not wait for that part's commit.
+            self._wait(lambda: not self.rows.locks.busy(local[~self.row_ready[local]]), "rows being rebuilt")
             todo = local[~self.row_ready[local]]
             if todo.numel() == 0:
                 return 0
