@@ -5,9 +5,10 @@ keeps for other servers' stripes, its dense chunks — and runs every protocol s
 them. Each role's state is its own object without I/O (core/txn.py: `DataParticipant` for the rows,
 `ParityParticipant` for the parity records; core/dense.py: `DenseReplicas`; core/acting.py: `ActingHome`
 for degraded writes of failed shards' rows; core/stripes.py: what a decode or a re-encode reads and what it
-gives); the store owns them, the lock, the waits and the calls to peers. Anything that needs another server goes through `Peers`, so the same code runs over gRPC in a server
-process and over direct calls in deterministic in-process tests (`LocalPeers`). One mutex guards the state;
-it is released while waiting for peers, and a condition variable wakes requests waiting for busy rows.
+gives); the store owns them, the lock, the waits and the calls to peers. Anything that needs another server
+goes through `Peers`, so the same code runs over gRPC in a server process and over direct calls in
+deterministic in-process tests (`LocalPeers`). One mutex guards the state; it is released while waiting for
+peers, and a condition variable wakes requests waiting for busy rows.
 """
 
 from __future__ import annotations
