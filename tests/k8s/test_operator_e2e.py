@@ -357,19 +357,22 @@ def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_sta
     assert spare["metadata"]["name"] == f"{name}-spare-0-1"
     (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
     kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+
+    # The spare pod becomes shard 1's server: looked for while the job runs, since once it has finished
+    # runPolicy.cleanPodPolicy (Running) deletes its running pods (a check after wait_done raced with that).
+    def holders():
+        selector = f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}"
+        return [p for p in pods(kube, selector) if p["metadata"]["name"] != victim["metadata"]["name"]]
+
+    (holder,) = wait_for("the spare pod to be relabelled as the shard's server", holders, timeout=240)
+    assert holder["metadata"]["name"] == f"{name}-spare-0-1", holder["metadata"]
+    assert holder["metadata"]["labels"]["ecrec.dev/incarnation"] == "2"
     status = wait_done(kube, name, timeout=420)
 
     recs = [r for r in status["recoveries"] if r["shard"] == shard]
     assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
     assert status["parityCheck"]["mismatches"] == 0 and status["step"] == status["totalSteps"]
-    # The spare pod is shard 1's server now; a new spare took its place; no server-1-2 pod was made.
-    (holder,) = [
-        p
-        for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
-        if not p["metadata"].get("deletionTimestamp")
-    ]
-    assert holder["metadata"]["name"] == f"{name}-spare-0-1", holder["metadata"]
-    assert holder["metadata"]["labels"]["ecrec.dev/incarnation"] == "2"
+    # A new spare took the spare's place; no server-1-2 pod was made.
     names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name}")}
     assert f"{name}-spare-1-1" in names and f"{name}-server-{shard}-2" not in names, names
     assert status["replacements"] == 1, status  # the new spare
