@@ -186,9 +186,10 @@ def test_a_killed_coordinator_under_cpr_is_replaced_and_training_goes_on(tmp_pat
 def test_chaos_under_checknrun_rolls_back_after_every_kill_and_still_ends_bit_identical(tmp_path):
     # `ecrec local --chaos 2` with Check-N-Run at full precision: two random servers killed one at a time
     # (the next once the previous is rebuilt); each loss rolls every shard back to the last baseline +
-    # increment, and the replays end where the run without failures does. 600 steps: room for both kills and
-    # their replacements' start-up before training ends.
-    steps = 600
+    # increment, and the replays end where the run without failures does. 1500 steps: room for both kills and
+    # their replacements' start-up (seconds each) before training ends — 600 steps finished before the second
+    # kill on a quiet machine (the next kill waits for the previous shard to be up again).
+    steps = 1500
     ctx = ckpt_ctx(
         "cnr-chaos", "checknrun", faultTolerance__checknrun__quantizeBits=32, training__steps=steps
     )
