@@ -76,7 +76,7 @@ class StripeDecode:
     home reads committed state)."""
 
     def __init__(self, p: Placement, src: int, local: torch.Tensor, wait_src: int = -1):
-        self.p, self.src, self.local = p, src, local
+        self.p, self.src, self.local, self.wait_src = p, src, local, wait_src
         self.pserver, self.pindex = p.parity_of(src, local)
         self.slot = p.stripe_of(src, local)[1]
         n = local.numel()
@@ -116,8 +116,7 @@ class StripeDecode:
 
     def rest(self, consistent: torch.Tensor) -> StripeDecode:
         """The decode of the rows whose stripes were not consistent, to be read again."""
-        wait_src = self.reads[0].src if self.reads else -1
-        return StripeDecode(self.p, self.src, self.local[~consistent], wait_src)
+        return StripeDecode(self.p, self.src, self.local[~consistent], self.wait_src)
 
 
 class StripeEncode:
