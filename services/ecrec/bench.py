@@ -272,6 +272,14 @@ OVERHEAD_CASES = [
 ]
 
 
+def alternating(configs: list, rounds: int):
+    """(round, configuration) for every configuration once per round: forward, then backward, so that a
+    drift of the machine's speed does not always favour the same configurations."""
+    for r in range(rounds):
+        for config in configs if r % 2 == 0 else configs[::-1]:
+            yield r, config
+
+
 def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds: int = 1) -> list[dict]:
     """Every configuration of OVERHEAD_CASES once per round. With several rounds the order alternates
     (forward, then backward, so that a drift of the machine's speed does not always favour the same
@@ -279,27 +287,26 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds:
     per-round ratios — each against the No FT run of its own round, minutes apart at most — which the table
     also lists: on a machine whose speed drifts, single runs compare badly."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in OVERHEAD_CASES}
-    for r in range(rounds):
-        for label, case in OVERHEAD_CASES if r % 2 == 0 else OVERHEAD_CASES[::-1]:
-            ctx = JobContext(load_job_with(job, [*sets, f"training.steps={steps}", *case]))
-            name = label.replace(" ", "_").replace(",", "").replace("=", "")
-            report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name)
-            runs[label].append(
-                {
-                    "mean": report["samples_per_s"],
-                    "steady": steady_rate(report),
-                    "elapsed_s": report["elapsed_s"],
-                    "auc": report["eval"]["auc"],
-                    "rpcs_per_step": rpcs_per_step(report),
-                    "cpu": _cpu(report),
-                    "load": load_balance(report.get("server_load") or []),
-                }
-            )
-            print(
-                f"  {label}: mean {report['samples_per_s']:,.0f} samples/s, "
-                f"steady {runs[label][-1]['steady']:,.0f}",
-                flush=True,
-            )
+    for r, (label, case) in alternating(OVERHEAD_CASES, rounds):
+        ctx = JobContext(load_job_with(job, [*sets, f"training.steps={steps}", *case]))
+        name = label.replace(" ", "_").replace(",", "").replace("=", "")
+        report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name)
+        runs[label].append(
+            {
+                "mean": report["samples_per_s"],
+                "steady": steady_rate(report),
+                "elapsed_s": report["elapsed_s"],
+                "auc": report["eval"]["auc"],
+                "rpcs_per_step": rpcs_per_step(report),
+                "cpu": _cpu(report),
+                "load": load_balance(report.get("server_load") or []),
+            }
+        )
+        print(
+            f"  {label}: mean {report['samples_per_s']:,.0f} samples/s, "
+            f"steady {runs[label][-1]['steady']:,.0f}",
+            flush=True,
+        )
     base = runs[OVERHEAD_CASES[0][0]]
     rows = [overhead_row(label, runs[label], base) for label, _ in OVERHEAD_CASES]
     columns = [
@@ -414,31 +421,30 @@ def bench_recovery(
     configs = [(scale, group) for scale in scales for group in groups]
     runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
     model_rows: dict[tuple[int, int], int] = {}
-    for r in range(rounds):
-        for scale, group in configs if r % 2 == 0 else configs[::-1]:
-            ctx = JobContext(
-                load_job_with(
-                    job,
-                    [
-                        *sets,
-                        f"model.scale={scale}",
-                        f"training.steps={steps}",
-                        "faultTolerance.strategy=ecrec",
-                        f"faultTolerance.ecrec.lockGroupRows={group}",
-                    ],
-                )
+    for r, (scale, group) in alternating(configs, rounds):
+        ctx = JobContext(
+            load_job_with(
+                job,
+                [
+                    *sets,
+                    f"model.scale={scale}",
+                    f"training.steps={steps}",
+                    "faultTolerance.strategy=ecrec",
+                    f"faultTolerance.ecrec.lockGroupRows={group}",
+                ],
             )
-            name = f"scale{scale}_group{group}"
-            out = out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name
-            report = _run(ctx, out, kills=[(2, kill_at)])
-            model_rows[(scale, group)] = ctx.model.num_rows
-            run = recovery_run(report)
-            runs[(scale, group)].append(run)
-            print(
-                f"  scale {scale} group {group}: continue {run['continue_s']:.2f}s, full {run['full_s']:.1f}s "
-                f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}",
-                flush=True,
-            )
+        )
+        name = f"scale{scale}_group{group}"
+        out = out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name
+        report = _run(ctx, out, kills=[(2, kill_at)])
+        model_rows[(scale, group)] = ctx.model.num_rows
+        run = recovery_run(report)
+        runs[(scale, group)].append(run)
+        print(
+            f"  scale {scale} group {group}: continue {run['continue_s']:.2f}s, full {run['full_s']:.1f}s "
+            f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}",
+            flush=True,
+        )
     rows = []
     for (scale, group), rs in runs.items():
         rows.append(
