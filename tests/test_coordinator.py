@@ -227,6 +227,43 @@ def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_
     assert api.get("/v1/status").json()["step"] == 3
 
 
+def test_the_steps_a_worker_trained_since_its_last_report_count_as_redone_when_it_stops_for_a_rollback(
+    tmp_path,
+):
+    # A kill soon after a checkpoint: the worker's last periodic report was at the checkpoint's step, it
+    # trained on, and the failure was declared before its next report. Its stop report says where it stopped;
+    # those steps are redone too (they read as none, and stepsRedone was 0 in a CI run).
+    ctx = make_ctx(
+        servers__replicas=2,
+        workers__replicas=1,
+        faultTolerance__strategy="checkpoint",
+        faultTolerance__checkpoint__path=str(tmp_path),
+    )
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: True)
+    api = TestClient(create_app(coord))
+    for s in range(2):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    assert api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"}).json()["started"]
+
+    def report(step: int, **holds) -> int:
+        body = {"rank": 0, "instance": "w0", "step": step, "samples": step * 64, **holds}
+        return api.post("/v1/workers/progress", json=body).status_code
+
+    assert report(100) == 200
+    cycle = coord.ckpt.cycle
+    with coord.lock:
+        cycle.failure(1)
+    assert report(100) == 200  # sent before it saw the rollback: nothing new
+    assert report(130, stopped=1) == 200  # it stopped 30 steps on
+    with coord.lock:
+        cycle.registered(1)
+        cycle.restored((0, 1), True, now=coord.clock())
+        coord.rolled_back(cycle.resume)
+    assert cycle.steps_redone == 130  # no checkpoint yet: all of them
+    assert report(140, stopped=1) == 200  # late, after the restore: not taken, nor counted again
+    assert cycle.steps_redone == 130 and api.get("/v1/status").json()["step"] == 0
+
+
 def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp_path):
     """The launcher asks for a shard's recovery from a status read before its restore completed; under a
     checkpoint strategy that request only reports, and must not open a record nothing completes (the launcher

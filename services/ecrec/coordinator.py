@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from ecrec import auth
-from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
+from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, Phase
 from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Transition
 from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import MAX_STEP_TIMES, RecoveryRecord, plan_recovery
@@ -680,11 +680,16 @@ class Coordinator:
             rollback = self.ckpt.cycle.rollback if self.ckpt is not None else 0
             if req.stopped < rollback or req.resumed < rollback:
                 # Sent before the worker took up the latest rollback's resume point: its counts are from before
-                # the restore (the rollback's own, set in rolled_back, stand).
+                # the restore (the rollback's own, set in rolled_back, stand). One exception: the report of
+                # the stop itself, while the cycle still waits for every stop, says where the worker stopped:
+                # the steps it trained since its last counted report are to be redone too (they were lost
+                # from stepsRedone when the kill came soon after a checkpoint).
                 w.heard_at = self.clock()
-                self.ckpt.feed(
-                    self.ckpt.cycle.report(req.rank, w.step, w.samples, w.done, req.paused, req.stopped)
-                )
+                cycle = self.ckpt.cycle
+                step, samples = w.step, w.samples
+                if req.stopped == rollback and cycle.phase is Phase.STOPPING:
+                    step, samples = max(step, req.step), max(samples, req.samples)
+                self.ckpt.feed(cycle.report(req.rank, step, samples, w.done, req.paused, req.stopped))
                 return {"epoch": self.cluster.epoch, **self.control()}
             if req.step < w.step or req.samples < w.samples:
                 raise Refused(f"worker {req.rank}: step {req.step} is behind its last report (step {w.step})")
