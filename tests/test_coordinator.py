@@ -328,3 +328,37 @@ def test_time_to_continue_is_the_first_step_after_the_detection_not_the_reports_
     assert rec.continued_at == 101.1
     body = {"rank": 0, "instance": "w0", "step": 9, "samples": 576, "stepTimes": [1.0] * 257}
     assert api.post("/v1/workers/progress", json=body).status_code == 422  # more than a report carries
+
+
+def test_a_spare_waiting_in_its_heartbeat_hears_of_its_shard_the_moment_it_is_assigned():
+    # The heartbeat is a long poll: the spare learns of a failed shard at once, not at its next heartbeat
+    # (each poll interval of waiting was degraded training before the takeover).
+    import threading
+
+    from ecrec.coordinator import SpareIn
+
+    ctx = make_ctx(servers__replicas=3, coordinator__failureTimeoutSeconds=60.0)
+    alive = {f"h:{s}" for s in range(3)}
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: addr in alive)
+    api = TestClient(create_app(coord))
+    for s in range(3):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    assert api.post("/v1/spares/register", json={"instance": "sp"}).json()["assigned"] is None
+    # Nothing to take over: the wait ends with its timeout, and the spare is still there, unassigned.
+    assert coord.spare_heartbeat(SpareIn(instance="sp", wait=0.2)) == {
+        "registered": True,
+        "assigned": None,
+        "finished": False,
+    }
+    answers: list[dict] = []
+    waiting = threading.Thread(
+        target=lambda: answers.append(coord.spare_heartbeat(SpareIn(instance="sp", wait=30))), daemon=True
+    )
+    waiting.start()
+    alive.discard("h:1")
+    assert api.post("/v1/failures", json={"shard": 1}).status_code == 200
+    waiting.join(timeout=10)  # (30 s if only the timeout ended it)
+    assert not waiting.is_alive() and answers == [{"registered": True, "assigned": 1, "finished": False}]
+    # A stray wait is refused by the schema, not slept through.
+    r = api.post("/v1/spares/heartbeat", json={"instance": "sp", "wait": 3600})
+    assert r.status_code == 422

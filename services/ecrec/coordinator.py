@@ -73,6 +73,9 @@ class SpareIn(BaseModel):
     address: str = ""
     metricsUrl: str = ""
     cpuSeconds: float | None = None
+    # A heartbeat may wait this long for an assignment (a long poll): the spare hears of its shard the moment
+    # it is assigned, not at its next heartbeat (capped at half the failure timeout: it is also a heartbeat).
+    wait: float = Field(default=0.0, ge=0.0, le=60.0)
 
 
 class StartRecovery(BaseModel):
@@ -253,6 +256,7 @@ class Coordinator:
         # CPU seconds by role since registration (ecrec.core.cpu); this process's own since it got here.
         self.cpu = CpuAccount()
         self.spares = SparePool()
+        self.spare_assigned = threading.Condition(self.lock)  # wakes spares waiting in a heartbeat
         self.cpu.report("coordinator", "self", time.process_time())
         self.metrics, self.reports = coordinator_metrics(job.name, self.metrics_state, spec.servers.replicas)
         self.probe = probe or functools.partial(probe_server, token=token)
@@ -491,6 +495,7 @@ class Coordinator:
         for shard, spare in self.spares.assign(failed, now):
             self.progress.event("spare_assigned", now, shard=shard, instance=spare.instance)
             log.info("shard %d: assigned to spare %s", shard, spare.instance)
+            self.spare_assigned.notify_all()
 
     def register_spare(self, req: SpareIn) -> dict:
         with self.lock:
@@ -509,8 +514,17 @@ class Coordinator:
     def spare_heartbeat(self, req: SpareIn) -> dict:
         with self.lock:
             spare = self.spares.heartbeat(req.instance, self.clock())
-            if spare is not None:
-                self.cpu.report("server", req.instance, req.cpuSeconds)
+            if spare is None:
+                return self._spare_answer(req.instance)
+            self.cpu.report("server", req.instance, req.cpuSeconds)
+            wait = min(req.wait, self.cluster.failure_timeout / 2)
+            if wait > 0 and spare.assigned is None:
+                # (the wait releases the lock; a spare dropped meanwhile answers "not registered")
+                self.spare_assigned.wait_for(
+                    lambda: self.spares.spares.get(req.instance) is not spare or spare.assigned is not None,
+                    timeout=wait,
+                )
+                self.spares.heartbeat(req.instance, self.clock())  # it was alive all along
             return self._spare_answer(req.instance)
 
     def _spare_answer(self, instance: str) -> dict:
@@ -897,11 +911,14 @@ class Coordinator:
                 req = pb.RecoverRequest(
                     epoch=epoch, kind=kinds[step.kind], start=step.start, count=step.count
                 )
+                began = time.monotonic()
                 with self.metrics.timed("Recover"):
                     resp = stub.Recover(req, timeout=300)
+                took = time.monotonic() - began
                 fault_point(f"coordinator:recovered_{step.kind}")
                 with self.lock:
                     rec.steps_done += 1
+                    rec.took(step.kind, took)
                     if step.kind == "data":
                         # rows_total: a rebuild resumed after a failover finds its earlier steps done
                         before = rec.rows_recovered

@@ -826,7 +826,8 @@ def wait_as_spare(
     Everything slow about starting a server (the interpreter, imports, the job) is done before this. Once
     assigned, a thread goes on heartbeating as the spare until `serving` is set (registered as the shard): a
     takeover that takes longer than the failure timeout must not look like a dead spare."""
-    http = httpx.Client(timeout=5.0, headers=auth.headers(token))
+    # Heartbeats are long polls of `interval` each: the coordinator answers at once when it assigns a shard.
+    http = httpx.Client(timeout=5.0 + interval, headers=auth.headers(token))
     base = url.rstrip("/")
     path, last_log = "/v1/spares/register", 0.0
 
@@ -839,8 +840,9 @@ def wait_as_spare(
         http.close()
 
     while not stop.is_set():
+        body, sent = {"instance": instance, "cpuSeconds": time.process_time()}, time.monotonic()
         try:
-            r = http.post(f"{base}{path}", json={"instance": instance, "cpuSeconds": time.process_time()})
+            r = http.post(f"{base}{path}", json=body | {"wait": interval})
             r.raise_for_status()
             body = r.json()
         except httpx.HTTPError as e:  # no coordinator now (a successor being started): keep asking
@@ -854,9 +856,13 @@ def wait_as_spare(
         if body.get("assigned") is not None:
             threading.Thread(target=keep_alive, daemon=True, name="spare-keepalive").start()
             return int(body["assigned"])
-        # a coordinator that does not know this spare (it replaced the one it registered with): again
-        path = "/v1/spares/heartbeat" if body.get("registered") else "/v1/spares/register"
-        stop.wait(interval)
+        if body.get("registered"):
+            path = "/v1/spares/heartbeat"  # it waited for an assignment already: ask again at once
+            if time.monotonic() - sent < interval / 4:  # (unless it did not wait: never spin)
+                stop.wait(interval / 4)
+        else:  # a coordinator that does not know this spare (it replaced the one it registered with): again
+            path = "/v1/spares/register"
+            stop.wait(interval)
     http.close()
     return None
 
@@ -919,7 +925,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.spare is not None:
         warm_up(ctx)
         log.info("spare %d (%s): ready, waiting for a failed shard", args.spare, args.instance)
-        interval = min(0.25, max(0.05, ctx.spec.coordinator.heartbeat_interval_seconds / 4))
+        interval = ctx.spec.coordinator.heartbeat_interval_seconds
         shard = wait_as_spare(args.coordinator, args.instance, interval, ctx.token, stop, serving)
         if shard is None:
             log.info("spare %d: the job finished without needing it", args.spare)

@@ -51,6 +51,8 @@ class RecoveryRecord:
     state: str = "detected"  # detected | waiting | running | completed | failed | interrupted
     error: str | None = None
     plan: list[Step] = field(default_factory=list)
+    # Seconds the Recover calls of each step kind took (dense, data, parity): where a rebuild's time goes.
+    seconds: dict[str, float] = field(default_factory=dict)
 
     SEEDED = (
         "shard",
@@ -105,5 +107,10 @@ class RecoveryRecord:
             "parity_recovered": self.parity_recovered,
             "steps_done": self.steps_done,
             "steps_total": self.steps_total,
+            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "error": self.error,
         }
+
+    def took(self, kind: str, seconds: float) -> None:
+        """A step of `kind` took `seconds` (the Recover call, as its driver saw it)."""
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
