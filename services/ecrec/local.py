@@ -566,8 +566,10 @@ def run_local(
                     "killed_at",
                     "detected_at",
                     "continued_at",
+                    "started_at",
                     "completed_at",
                     "rows_recovered",
+                    "seconds",
                 )
             }
             for r in status["recoveries"]
