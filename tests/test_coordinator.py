@@ -362,3 +362,30 @@ def test_a_spare_waiting_in_its_heartbeat_hears_of_its_shard_the_moment_it_is_as
     # A stray wait is refused by the schema, not slept through.
     r = api.post("/v1/spares/heartbeat", json={"instance": "sp", "wait": 3600})
     assert r.status_code == 422
+
+
+def test_a_registered_replacement_has_its_rebuild_started_without_being_asked():
+    # The launcher's request came at its next look at the status (0.2 s and more after the registration),
+    # all of it degraded training for nothing; the coordinator starts the rebuild itself now, and the
+    # launcher's request finds it running.
+    import threading
+
+    ctx = make_ctx(servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2)
+    alive = {f"h:{s}" for s in range(3)}
+    coord = Coordinator(ctx.job, probe=lambda addr, inst: addr in alive)
+    driven, release = [], threading.Event()
+    coord._drive_recovery = lambda rec: (driven.append(rec.shard), release.wait(10))  # no servers to call
+    api = TestClient(create_app(coord))
+    for s in range(3):
+        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
+    alive.discard("h:1")
+    api.post("/v1/failures", json={"shard": 1})
+    assert driven == [] and [r["state"] for r in api.get("/recoveries").json()] == ["detected"]
+    r = api.post(
+        "/v1/servers/register", json={"shard": 1, "address": "h:9", "instance": "r1", "replacement": True}
+    )
+    assert r.status_code == 200
+    assert driven == [1] and [r["state"] for r in api.get("/recoveries").json()] == ["waiting"]
+    assert api.post("/recoveries", json={"shard": 1}).json()["state"] == "waiting"  # the same, running
+    assert driven == [1]
+    release.set()

@@ -181,9 +181,9 @@ def test_coordinator_killed_before_training_started(tmp_path, baseline):
     "point",
     [
         "coordinator:coordinator:recovery_started",  # the plan made, nothing rebuilt yet
-        "coordinator:coordinator:recovered_dense",  # dense copied, no row yet
-        "coordinator:coordinator:recovered_data@3",  # three lock groups rebuilt
-        "coordinator:coordinator:recovered_parity",  # rows done, parity being re-encoded
+        "coordinator:coordinator:recovered_dense",  # dense copied, rows and parity under way
+        "coordinator:coordinator:recovered_data@3",  # three lock groups of rows rebuilt
+        "coordinator:coordinator:recovered_parity",  # a lock group of parity re-encoded
         "coordinator:coordinator:recovery_completed",  # completed, before anybody heard of it
     ],
 )

@@ -55,9 +55,9 @@ def test_killed_and_rebuilt_server_leaves_parameters_bit_identical(tmp_path, bas
     (rec,) = report["recoveries"]
     assert rec["shard"] == shard and rec["rows_recovered"] > 0
     assert rec["killed_at"] <= rec["detected_at"] <= rec["completed_at"]
-    # where the rebuild's time went, by step kind: within the rebuild's own span
+    # where the rebuild's time went, by step kind (side by side): each within the rebuild's own span
     assert set(rec["seconds"]) == {"dense", "data", "parity"} and rec["seconds"]["data"] > 0, rec
-    assert sum(rec["seconds"].values()) <= rec["completed_at"] - rec["started_at"] + 0.002, rec
+    assert max(rec["seconds"].values()) <= rec["completed_at"] - rec["started_at"] + 0.002, rec
     assert report["params_sha256"] == baseline
 
 

@@ -13,8 +13,9 @@ observed now, so they are idempotent under duplicate events and correct after th
   time out) and gets a replacement, which starts empty and is rebuilt once it has registered;
 - a server the coordinator declared failed while its process is still there (hung, paused) is deleted, and
   then replaced as above;
-- a registered replacement gets its recovery started (the coordinator refuses before it has registered and
-  ignores a second request while the first runs);
+- a registered replacement gets its recovery started (the coordinator starts it itself at the registration;
+  the request restarts one whose driver is gone, after a coordinator failover; it is refused before the
+  replacement has registered and ignored while the rebuild runs);
 - a worker whose process was killed or deleted before finishing its steps is reported lost and replaced
   under the same rank (it resumes where the coordinator's record of its progress ends); a worker that exited
   with an error of its own (exit code 1-127) fails the job with that reason instead;

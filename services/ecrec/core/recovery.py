@@ -1,7 +1,7 @@
 """Recovery of a replaced server, as a plan of steps and the progress through it (no I/O).
 
-The coordinator walks the plan: copy the dense replicas, rebuild the data rows lock group by lock group, then
-re-encode the parity records the server holds. Each step is one `Recover` call on the replacement; the plan is
+The coordinator walks the plan: copy the dense replicas, rebuild the data rows lock group by lock group, and
+re-encode the parity records the server holds — the three kinds side by side, each kind's steps in order. Each step is one `Recover` call on the replacement; the plan is
 data, so it can be printed, tested and shown by `GET /recoveries`.
 """
 
@@ -53,6 +53,7 @@ class RecoveryRecord:
     plan: list[Step] = field(default_factory=list)
     # Seconds the Recover calls of each step kind took (dense, data, parity): where a rebuild's time goes.
     seconds: dict[str, float] = field(default_factory=dict)
+    done: dict[str, int] = field(default_factory=dict)  # steps done by kind (the kinds run side by side)
 
     SEEDED = (
         "shard",
@@ -111,6 +112,8 @@ class RecoveryRecord:
             "error": self.error,
         }
 
-    def took(self, kind: str, seconds: float) -> None:
-        """A step of `kind` took `seconds` (the Recover call, as its driver saw it)."""
+    def step_done(self, kind: str, seconds: float) -> None:
+        """A step of `kind` is done; it took `seconds` (the Recover call, as its driver saw it)."""
+        self.steps_done += 1
+        self.done[kind] = self.done.get(kind, 0) + 1
         self.seconds[kind] = self.seconds.get(kind, 0.0) + seconds
