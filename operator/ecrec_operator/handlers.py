@@ -36,8 +36,30 @@ from .status import job_status
 
 log = logging.getLogger("ecrec_operator")
 HTTP_TIMEOUT = 3.0
-_lost_at: dict[tuple[str, str, int], float] = {}  # (ns, job, shard) -> when the operator saw the server lost
+# (ns, job, shard) -> when the operator saw the shard's registered server lost, and that server's instance
+_lost_at: dict[tuple[str, str, int], tuple[float, str]] = {}
+# (ns, job) -> shard -> the instance registered for it in the coordinator's status the operator read last
+_registered: dict[tuple[str, str], dict[int, str]] = {}
 _lock = threading.Lock()
+
+
+def _shards(coord_status: dict | None) -> dict[int, dict]:
+    return {int(s["shard"]): s for s in ((coord_status or {}).get("cluster") or {}).get("shards", [])}
+
+
+def _recoveries_started(owner, namespace: str, job: str, coord_status: dict | None) -> None:
+    """RecoveryStarted for each lost server whose shard has another process registered since: the coordinator
+    starts a replacement's rebuild when it registers, so the operator sees it started (or already done)."""
+    shards = _shards(coord_status)
+    with _lock:
+        started = []
+        for key in [k for k in _lost_at if k[:2] == (namespace, job)]:
+            s = shards.get(key[2]) or {}
+            if s.get("state") in ("recovering", "up") and s.get("instance") not in ("", _lost_at[key][1]):
+                started.append((key[2], s["instance"], _lost_at.pop(key)[0]))
+    for shard, instance, lost in started:
+        kopf.info(owner, reason="RecoveryStarted", message=f"server {shard}: {instance} is being rebuilt")
+        metrics.replacement_seconds.observe(time.time() - lost)
 
 
 # -- observation -------------------------------------------------------------------------------------------
@@ -143,7 +165,8 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
     if base is None or shard < 0:
         return
     with _lock:
-        _lost_at.setdefault((namespace, job, shard), time.time())
+        if _registered.get((namespace, job), {}).get(shard) == name:  # (not a superseded process)
+            _lost_at.setdefault((namespace, job, shard), (time.time(), name))
         first = (namespace, name) not in _reported
         _reported.add((namespace, name))
     owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == "ECRecJob"), None)
@@ -204,6 +227,10 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         logger.warning("the job token: %s", e)
         return  # nothing can be created or told without it: the next pass tries again
     coord_status = _get_status(_coordinator_base(pods))
+    if coord_status is not None:
+        registered = {i: s.get("instance", "") for i, s in _shards(coord_status).items()}
+        with _lock:
+            _registered[(namespace, name)] = registered
     run_policy = job.spec.run_policy
     # Replacements so far: what the status says, or what the pods' incarnations show if more (an operator
     # killed between creating a replacement and writing the status).
@@ -260,6 +287,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         except (ApiException, httpx.HTTPError) as e:
             metrics.errors.labels(action.kind).inc()
             logger.warning("%s %s %d: %s", action.kind, action.role, action.index, e)
+    _recoveries_started(body, namespace, name, coord_status)
     new = job_status(
         job.spec, coord_status, procs, status, now, replacements=replacements + created_replacements
     )
@@ -353,7 +381,9 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
         return 0  # the coordinator does not answer yet: the next pass does it
     if action.kind == "report_failed":
         with _lock:
-            _lost_at.setdefault((namespace, job.name, action.index), time.time())
+            instance = _registered.get((namespace, job.name), {}).get(action.index)
+            if instance:
+                _lost_at.setdefault((namespace, job.name, action.index), (time.time(), instance))
         _post(base, "/v1/failures", token, {"shard": action.index, "reporter": "operator"})
         kopf.warn(owner, reason="ServerLost", message=f"server {action.index}: its pod is gone")
     elif action.kind == "start_recovery":
@@ -367,7 +397,7 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
             with _lock:
                 lost = _lost_at.pop((namespace, job.name, action.index), None)
             if lost is not None:
-                metrics.replacement_seconds.observe(time.time() - lost)
+                metrics.replacement_seconds.observe(time.time() - lost[0])
     elif action.kind == "report_worker_lost":
         _post(
             base,
@@ -490,6 +520,8 @@ def _finish(name, namespace, spec, status, body, index, now: datetime.datetime) 
     """A finished job: apply runPolicy.cleanPodPolicy (pods still running, or all), never recreate anything;
     delete the job itself once runPolicy.ttlSecondsAfterFinished has passed (its pods and Service go with it
     by their owner references)."""
+    with _lock:
+        _registered.pop((namespace, name), None)
     run_policy = spec.get("runPolicy") or {}
     ttl = run_policy.get("ttlSecondsAfterFinished")
     done_at = status.get("completionTime")

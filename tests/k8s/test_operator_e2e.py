@@ -378,3 +378,5 @@ def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_sta
     assert status["replacements"] == 1, status  # the new spare
     events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
     assert "SpareTookOver" in events and "ReplacementCreated" in events, events
+    # The coordinator started the spare's rebuild at its registration; the operator saw it and said so.
+    assert "RecoveryStarted" in events, events
