@@ -168,7 +168,9 @@ def test_bench_recovery_rounds_alternate_the_order_and_take_medians(tmp_path, mo
         assert row["ratios"] == pytest.approx([0.5, 0.7, 0.9]) and row["during_ratio"] == pytest.approx(0.7)
         assert row["continue_s"] == pytest.approx(0.3) and row["full_s"] == pytest.approx(2.0)
         assert row["rebuild_s"] == pytest.approx(1.0) and row["normal"] == pytest.approx(1000.0)
+        assert row["lost_s"] == pytest.approx(2.0 * (1 - 0.7))  # 600 of 2000 samples not trained
     assert rows[1]["rows"] == 4 * rows[0]["rows"] and rows[1]["rows_recovered"] == 400
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["ratio per round"] == "0.50 / 0.70 / 0.90"
+    assert summary[0]["training lost s (at normal throughput)"] == pytest.approx(0.6)
     assert "rounds=3 (medians)" in capsys.readouterr().out

@@ -372,6 +372,7 @@ RECOVERY_KEYS = (
     "rows_recovered",
     "normal",
     "during_ratio",
+    "lost_s",
     "rebuild_ratio",
 )
 
@@ -392,6 +393,11 @@ def recovery_run(report: dict) -> dict:
         "rows_recovered": rec["rows_recovered"],
         "normal": normal,
         "during_ratio": during / normal if normal else float("nan"),
+        # What the recovery cost in all: the samples it did not train, as seconds of normal training. The
+        # ratio alone favours slow recoveries (a fixed stall weighs less in a longer window); this does not.
+        "lost_s": (rec["completed_at"] - rec["killed_at"]) * (1 - during / normal)
+        if normal
+        else float("nan"),
         "rebuild_ratio": rebuild / normal if normal else float("nan"),
         "parity_mismatches": report["parity_check"]["mismatches"],
         "cpu": _cpu(report),
@@ -467,6 +473,7 @@ def bench_recovery(
         Column("rows rebuilt", lambda r: round(r["rows_recovered"]), "{:,}"),
         Column("throughput kill→recovered / normal", lambda r: _round(r["during_ratio"], 3), "{:.2f}"),
         Column("ratio per round", lambda r: " / ".join(f"{x:.2f}" for x in r["ratios"])),
+        Column("training lost s (at normal throughput)", lambda r: _round(r["lost_s"], 3), "{:.2f}"),
         Column("throughput while rebuilding / normal", lambda r: _round(r["rebuild_ratio"], 3), "{:.2f}"),
         *cpu_columns(),
         Column("parity mismatches (most in a run)", lambda r: r["parity_mismatches"]),
