@@ -257,10 +257,12 @@ class PodFails(Exception):
 
 
 class IPAllocator:
-    """Pod IPs 127.0.x.y (x in 1..254 except 10, y in 1..254), handed out round-robin from a random start, so
-    that two kubelets on one machine (two test sessions) rarely meet and a freed IP is not reused at once."""
+    """Pod IPs 127.0.x.y (x in 1..254 except 9 and 10, y in 1..254), handed out round-robin from a random start,
+    so that two kubelets on one machine (two test sessions) rarely meet and a freed IP is not reused at once."""
 
-    XS = [x for x in range(1, 255) if x != 10]  # 127.0.0.0/24 is the host's own, 127.0.10.0/24 Service IPs
+    # 127.0.0.0/24 is the host's own; 127.0.10.0/24 and 127.0.9.0/24 are Service IPs (the main control plane's
+    # and the Helm tests' own)
+    XS = [x for x in range(1, 255) if x not in (9, 10)]
 
     def __init__(self, seed: int | None = None):
         self._n = len(self.XS) * 254

@@ -84,7 +84,9 @@ def cluster(kube, tmp_path_factory):
 
     env = KubeTestEnv()
     state = tmp_path_factory.mktemp("helm-kube")
-    env.start(state, watch_pid=os.getpid(), controllers=CONTROLLERS)
+    # Services on a range of their own: the main control plane's kubelet proxies 127.0.10.0/24 on this loopback
+    # (a coordinator Service on the same ClusterIP and port in both failed a CI run: EADDRINUSE)
+    env.start(state, watch_pid=os.getpid(), controllers=CONTROLLERS, service_cidr="127.0.9.0/24")
     kubelet = TestKubelet(env.kubeconfig, tmp_path_factory.mktemp("helm-kubelet"))
     try:
         kubelet.start()

@@ -64,15 +64,24 @@ class KubeTestEnv:
 
     # ---------------------------------------------------------------------------------------- start --
     def start(
-        self, state_dir: Path | str, watch_pid: int | None = None, controllers: str | None = None
+        self,
+        state_dir: Path | str,
+        watch_pid: int | None = None,
+        controllers: str | None = None,
+        service_cidr: str | None = None,
     ) -> Path:
         """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited.
-        `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset)."""
+        `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset).
+        `service_cidr`: the Service ClusterIP range (ECREC_KUBE_SERVICE_CIDR; default 127.0.10.0/24). Two
+        control planes in one test session need different ones: each kubelet's proxy listens on its Services'
+        ClusterIPs on the same loopback, and the same IP and port from both fails the second bind."""
         env = dict(os.environ)
         if watch_pid:
             env["ECREC_KUBE_WATCH_PID"] = str(watch_pid)
         if controllers:
             env["ECREC_KUBE_CONTROLLERS"] = controllers
+        if service_cidr:
+            env["ECREC_KUBE_SERVICE_CIDR"] = service_cidr
         proc = subprocess.run(
             [str(SCRIPT), "start", str(state_dir)],
             stdin=subprocess.DEVNULL,
