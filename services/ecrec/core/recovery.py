@@ -1,8 +1,9 @@
 """Recovery of a replaced server, as a plan of steps and the progress through it (no I/O).
 
 The coordinator walks the plan: copy the dense replicas, rebuild the data rows lock group by lock group, and
-re-encode the parity records the server holds — the three kinds side by side, each kind's steps in order. Each step is one `Recover` call on the replacement; the plan is
-data, so it can be printed, tested and shown by `GET /recoveries`.
+re-encode the parity records the server holds — the three kinds side by side, each kind's steps in order.
+Each step is one `Recover` call on the replacement; the plan is data, so it can be printed, tested and shown
+by `GET /recoveries`.
 """
 
 from __future__ import annotations
