@@ -192,10 +192,9 @@ def test_a_silent_worker_is_declared_unresponsive_and_a_report_clears_it():
     assert not {w["rank"]: w for w in api.get("/v1/status").json()["workers"]}[1]["unresponsive"]
 
 
-def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_is_done(tmp_path):
-    # A worker stopped for a rollback keeps reporting its pre-rollback step until it takes up the resume
-    # point; such a report, arriving after the restore, must not undo the rollback's counters (it did, and
-    # the worker's next, honest report was then refused as going backwards).
+def checkpoint_job(tmp_path):
+    """A started coordinator under the checkpoint strategy: 2 servers, worker 0, and `report(step, **holds)`,
+    that worker's progress report (its HTTP status)."""
     ctx = make_ctx(
         servers__replicas=2,
         workers__replicas=1,
@@ -212,6 +211,14 @@ def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_
         body = {"rank": 0, "instance": "w0", "step": step, "samples": step * 64, **holds}
         return api.post("/v1/workers/progress", json=body).status_code
 
+    return coord, api, report
+
+
+def test_a_report_from_before_a_rollback_resume_does_not_count_once_the_restore_is_done(tmp_path):
+    # A worker stopped for a rollback keeps reporting its pre-rollback step until it takes up the resume
+    # point; such a report, arriving after the restore, must not undo the rollback's counters (it did, and
+    # the worker's next, honest report was then refused as going backwards).
+    coord, api, report = checkpoint_job(tmp_path)
     assert report(175) == 200
     cycle = coord.ckpt.cycle
     with coord.lock:  # what the driver does on a failure and a restore, without servers to call
@@ -233,22 +240,7 @@ def test_the_steps_a_worker_trained_since_its_last_report_count_as_redone_when_i
     # A kill soon after a checkpoint: the worker's last periodic report was at the checkpoint's step, it
     # trained on, and the failure was declared before its next report. Its stop report says where it stopped;
     # those steps are redone too (they read as none, and stepsRedone was 0 in a CI run).
-    ctx = make_ctx(
-        servers__replicas=2,
-        workers__replicas=1,
-        faultTolerance__strategy="checkpoint",
-        faultTolerance__checkpoint__path=str(tmp_path),
-    )
-    coord = Coordinator(ctx.job, probe=lambda addr, inst: True)
-    api = TestClient(create_app(coord))
-    for s in range(2):
-        api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
-    assert api.post("/v1/workers/register", json={"rank": 0, "instance": "w0"}).json()["started"]
-
-    def report(step: int, **holds) -> int:
-        body = {"rank": 0, "instance": "w0", "step": step, "samples": step * 64, **holds}
-        return api.post("/v1/workers/progress", json=body).status_code
-
+    coord, api, report = checkpoint_job(tmp_path)
     assert report(100) == 200
     cycle = coord.ckpt.cycle
     with coord.lock:
