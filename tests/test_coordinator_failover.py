@@ -138,6 +138,42 @@ def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_r
         old.register_worker(RegisterWorker(rank=0, instance="w0-3", incarnation=3, rejoin=True))
 
 
+def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_rejoins():
+    # The rebuild starts at registration and can be done before the launcher saves another seed: the
+    # successor knows the shard only as failed, with an open record, and learns from the rejoin that it is
+    # whole again. That record must complete (`ecrec local` waits for every record to).
+    job = make_ctx(
+        "fo", servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
+    ).job
+    clock, alive = Clock(), set()
+    old = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive)
+    for s in range(3):
+        old.register_server(RegisterServer(shard=s, address=f"a{s}", instance=f"s{s}-1"))
+        alive.add(f"s{s}-1")
+    old.register_worker(RegisterWorker(rank=0, instance="w0-1"))
+    alive.discard("s2-1")
+    old.report_failure(FailureReport(shard=2))
+    seed = old.status()["resume"]
+    assert [r["state"] for r in old.status()["recoveries"]] == ["detected"]
+
+    for recovered, state, phase in ((False, "interrupted", "Recovering"), (True, "completed", "Running")):
+        clock.t += 3
+        new = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive, generation=2, seed=seed)
+        beat = Heartbeat(
+            shard=2, address="b2", instance="s2-2", incarnation=2, recovered=recovered, rowsRecovered=860
+        )
+        assert new.heartbeat(beat)["ok"]
+        st = new.status()
+        assert [r["state"] for r in st["recoveries"]] == [state], st["recoveries"]
+        assert st["phase"] == phase
+        assert st["cluster"]["shards"][2]["state"] == ("up" if recovered else "recovering")
+        if recovered:
+            (rec,) = st["recoveries"]
+            assert rec["rows_recovered"] == 860 and rec["completed_at"] is not None
+            assert st["events"][-1]["kind"] == "recovery_completed"
+        new._stop.set()
+
+
 # -- live jobs --------------------------------------------------------------------------------------------
 slow = pytest.mark.slow
 

@@ -61,6 +61,7 @@ class Heartbeat(BaseModel):
     instance: str
     epoch: int = 0
     recovered: bool = False
+    rowsRecovered: int = Field(default=0, ge=0)  # a replacement's rows rebuilt so far
     # What a successor coordinator needs to admit a process its seed does not list (a rejoin).
     incarnation: int = 0
     metricsUrl: str = ""
@@ -434,11 +435,12 @@ class Coordinator:
         it if it is newer than the listed process and that process no longer answers."""
 
         def rejoin(confirmed_dead: bool) -> None:
+            now = self.clock()
             self._apply(
                 self.cluster.rejoin(
                     req.shard,
                     req.address,
-                    self.clock(),
+                    now,
                     req.metricsUrl,
                     instance=req.instance,
                     incarnation=req.incarnation,
@@ -447,6 +449,13 @@ class Coordinator:
                 )
             )
             with self.lock:
+                if req.recovered and req.incarnation > 1 and self.ckpt is None and self.cluster.recoverable:
+                    # Rebuilt, by a coordinator that died before the launcher saved a seed saying so (the
+                    # rebuild starts at registration and can finish within one look at the status): the
+                    # record it left open is completed now, when this coordinator learns of it.
+                    rec = self.open_recovery(req.shard)
+                    rec.rows_recovered = max(rec.rows_recovered, req.rowsRecovered)
+                    self._completed(rec, now)
                 self._maybe_start()
 
         try:
@@ -882,12 +891,16 @@ class Coordinator:
         with self.lock:
             now = self.clock()
             self._apply(self.cluster.recovered(rec.shard, now))
-            rec.state, rec.completed_at, rec.error = "completed", now, None
-            self.progress.event("recovery_completed", now, shard=rec.shard, rows=rec.rows_recovered)
-            fault_point("coordinator:recovery_completed")
-            m = self.metrics
-            m.of(m.recoveries_completed).inc()
-            m.of(m.time_to_recover).observe(now - (rec.killed_at or rec.detected_at or rec.started_at or now))
+            self._completed(rec, now, fault="coordinator:recovery_completed")
+
+    def _completed(self, rec: RecoveryRecord, now: float, fault: str | None = None) -> None:
+        rec.state, rec.completed_at, rec.error = "completed", now, None
+        self.progress.event("recovery_completed", now, shard=rec.shard, rows=rec.rows_recovered)
+        if fault is not None:
+            fault_point(fault)
+        m = self.metrics
+        m.of(m.recoveries_completed).inc()
+        m.of(m.time_to_recover).observe(now - (rec.killed_at or rec.detected_at or rec.started_at or now))
 
     def _await_replacement(self, rec: RecoveryRecord, not_incarnation: int | None):
         deadline = time.monotonic() + self.spec.coordinator.recovery_timeout_seconds

@@ -792,6 +792,7 @@ class CoordinatorLink:
                         "instance": self.instance,
                         "epoch": store.epoch,
                         "recovered": store.replacement and store.recovery_done(),
+                        "rowsRecovered": store.stats["rows_recovered"],
                         # so that a coordinator replacing a dead one can admit this process (a rejoin)
                         "incarnation": self.incarnation,
                         "metricsUrl": self.metrics_url,
