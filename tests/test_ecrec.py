@@ -296,6 +296,19 @@ def test_kill_times_are_seconds_or_a_step():
     assert _parse_kill("coordinator@3", 5) == ("coordinator", 3.0)
 
 
+def test_a_kill_the_job_finished_before_is_reported_as_missed(tmp_path):
+    # A run meant to be disturbed that was not must say so (the tests' kills by step read the report).
+    report = run_local(
+        make_ctx(
+            "late-kill", servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
+        ),
+        tmp_path,
+        progress=False,
+        kills=[(1, "step:999")],
+    )
+    assert report["kills_missed"] == ["1@step:999"] and report["recoveries"] == []
+
+
 def test_a_hung_worker_is_found_out_by_its_silence_replaced_and_its_rank_resumed(tmp_path):
     # The worker SIGSTOPs itself mid-update: its process is there, its reports stop. The coordinator declares
     # it unresponsive after the failure timeout, the supervisor kills it and a replacement resumes the rank.

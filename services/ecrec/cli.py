@@ -91,6 +91,10 @@ def cmd_local(args) -> int:
         )
         console.print(f"reference models on the same split: {'; '.join(scores)}")
     console.print(f"params_sha256 {report['params_sha256']}")
+    if report["kills_missed"]:
+        console.print(
+            f"[yellow]never killed (the job finished first): {', '.join(report['kills_missed'])}[/]"
+        )
     if "parity_check" in report:
         pc = report["parity_check"]
         console.print(f"parity check: {pc['stripes']:,} stripes, {pc['mismatches']} mismatches")

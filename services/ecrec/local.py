@@ -579,6 +579,9 @@ def run_local(
         extra["checkpointing"] = status["checkpointing"]
     if fault:
         extra["fault"] = {"point": fault, "fired": fired.exists()}
+    # Kills the job finished before (a step or a time it never reached while running), so that a run that was
+    # to be disturbed and was not says so instead of passing for one that recovered.
+    extra["kills_missed"] = [f"{target}@{at}" for target, at in supervisor.kills]
     if rebuild_error:
         extra["rebuild_error"] = rebuild.measure(ctx, out_dir / "rebuild-error", progress=progress)
     evaluation = {"auc": ev["auc"], "logloss": ev["logloss"], "samples": ev["samples"]}

@@ -387,7 +387,12 @@ class WorkersSpec(_Section):
 class CoordinatorSpec(_Section):
     """The per-job coordinator: cluster map, failure detection, recovery driver."""
 
-    heartbeat_interval_seconds: float = Field(default=0.5, gt=0, description="Server heartbeat period")
+    heartbeat_interval_seconds: float = Field(
+        default=0.5,
+        gt=0,
+        description="Server heartbeat and worker progress-report period (a worker silent for the failure "
+        "timeout is declared unresponsive)",
+    )
     failure_timeout_seconds: float = Field(
         default=3.0, gt=0, description="A server silent this long is marked failed"
     )

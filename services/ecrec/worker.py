@@ -454,7 +454,7 @@ def run_worker(
     resume = registered.get("resume") or {"step": 0, "samples": 0}
     # Reports start at once: the coordinator takes a worker silent for its failure timeout for hung, and
     # setting up (the model, the data) may take longer than that.
-    reporter = ProgressReporter(link)
+    reporter = ProgressReporter(link, spec.coordinator.heartbeat_interval_seconds)
     reporter.step, reporter.samples = int(resume["step"]), int(resume["samples"])
     reporter.start()
     link.wait_start()
