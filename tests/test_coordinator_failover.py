@@ -159,6 +159,7 @@ def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_
     for recovered, state, phase in ((False, "interrupted", "Recovering"), (True, "completed", "Running")):
         clock.t += 3
         new = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive, generation=2, seed=seed)
+        labels = dict(new.metrics.labels)
         beat = Heartbeat(
             shard=2, address="b2", instance="s2-2", incarnation=2, recovered=recovered, rowsRecovered=860
         )
@@ -170,6 +171,10 @@ def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_
         if recovered:
             (rec,) = st["recoveries"]
             assert rec["rows_recovered"] == 860 and rec["completed_at"] is not None
+            rows = new.metrics.registry.get_sample_value(
+                "ecrec_rows_recovered_total", {**labels, "shard": "2"}
+            )
+            assert rows == 860  # the counter agrees with the record
             assert st["events"][-1]["kind"] == "recovery_completed"
         new._stop.set()
 

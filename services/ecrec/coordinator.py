@@ -454,7 +454,12 @@ class Coordinator:
                     # rebuild starts at registration and can finish within one look at the status): the
                     # record it left open is completed now, when this coordinator learns of it.
                     rec = self.open_recovery(req.shard)
-                    rec.rows_recovered = max(rec.rows_recovered, req.rowsRecovered)
+                    before, rec.rows_recovered = (
+                        rec.rows_recovered,
+                        max(rec.rows_recovered, req.rowsRecovered),
+                    )
+                    rows = self.metrics.of(self.metrics.rows_recovered, shard=str(req.shard))
+                    rows.inc(rec.rows_recovered - before)  # the record and the counter agree, as in _run_plan
                     self._completed(rec, now)
                 self._maybe_start()
 
