@@ -93,7 +93,9 @@ class Clock:
         return self.t
 
 
-def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_rejoins():
+def started_job():
+    """A started ECRec job (3 servers, k=2, worker 0) on a test clock: its spec, the clock, the instances its
+    coordinator's probe finds answering, and that coordinator (its successors reuse `old.probe`)."""
     job = make_ctx(
         "fo", servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
     ).job
@@ -103,6 +105,11 @@ def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_r
         old.register_server(RegisterServer(shard=s, address=f"a{s}", instance=f"s{s}-1"))
         alive.add(f"s{s}-1")
     old.register_worker(RegisterWorker(rank=0, instance="w0-1"))
+    return job, clock, alive, old
+
+
+def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_rejoins():
+    job, clock, alive, old = started_job()
     assert old.status()["phase"] == "Running"
     clock.t += 5
     old.report_progress(Progress(rank=0, instance="w0-1", step=40, samples=2560, lastStepAt=clock.t))
@@ -113,7 +120,7 @@ def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_r
     assert seed["generation"] == 1 and seed["recoveries"][0]["shard"] == 2
 
     clock.t += 3
-    new = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive, generation=2, seed=seed)
+    new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
     st = new.status()
     assert st["phase"] == "Recovering" and st["step"] == 40 and st["cluster"]["epoch"] > seed["epoch"]
     # The rebuild's driver died with the old coordinator: the record says so, and a new request resumes it.
@@ -142,15 +149,7 @@ def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_
     # The rebuild starts at registration and can be done before the launcher saves another seed: the
     # successor knows the shard only as failed, with an open record, and learns from the rejoin that it is
     # whole again. That record must complete (`ecrec local` waits for every record to).
-    job = make_ctx(
-        "fo", servers__replicas=3, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=2
-    ).job
-    clock, alive = Clock(), set()
-    old = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive)
-    for s in range(3):
-        old.register_server(RegisterServer(shard=s, address=f"a{s}", instance=f"s{s}-1"))
-        alive.add(f"s{s}-1")
-    old.register_worker(RegisterWorker(rank=0, instance="w0-1"))
+    job, clock, alive, old = started_job()
     alive.discard("s2-1")
     old.report_failure(FailureReport(shard=2))
     seed = old.status()["resume"]
@@ -158,7 +157,7 @@ def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_
 
     for recovered, state, phase in ((False, "interrupted", "Recovering"), (True, "completed", "Running")):
         clock.t += 3
-        new = Coordinator(job, clock=clock, probe=lambda addr, inst: inst in alive, generation=2, seed=seed)
+        new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
         labels = dict(new.metrics.labels)
         beat = Heartbeat(
             shard=2, address="b2", instance="s2-2", incarnation=2, recovered=recovered, rowsRecovered=860

@@ -454,12 +454,7 @@ class Coordinator:
                     # rebuild starts at registration and can finish within one look at the status): the
                     # record it left open is completed now, when this coordinator learns of it.
                     rec = self.open_recovery(req.shard)
-                    before, rec.rows_recovered = (
-                        rec.rows_recovered,
-                        max(rec.rows_recovered, req.rowsRecovered),
-                    )
-                    rows = self.metrics.of(self.metrics.rows_recovered, shard=str(req.shard))
-                    rows.inc(rec.rows_recovered - before)  # the record and the counter agree, as in _run_plan
+                    self._rows_recovered(rec, req.rowsRecovered)
                     self._completed(rec, now)
                 self._maybe_start()
 
@@ -898,6 +893,13 @@ class Coordinator:
             self._apply(self.cluster.recovered(rec.shard, now))
             self._completed(rec, now, fault="coordinator:recovery_completed")
 
+    def _rows_recovered(self, rec: RecoveryRecord, *counts: int) -> None:
+        """The record's rebuilt rows rise to the largest of `counts`; the per-shard counter rises with it (the
+        two agree)."""
+        before = rec.rows_recovered
+        rec.rows_recovered = max(before, *counts)
+        self.metrics.of(self.metrics.rows_recovered, shard=str(rec.shard)).inc(rec.rows_recovered - before)
+
     def _completed(self, rec: RecoveryRecord, now: float, fault: str | None = None) -> None:
         rec.state, rec.completed_at, rec.error = "completed", now, None
         self.progress.event("recovery_completed", now, shard=rec.shard, rows=rec.rows_recovered)
@@ -951,10 +953,7 @@ class Coordinator:
                         rec.step_done(step.kind, took)
                         if step.kind == "data":
                             # rows_total: a rebuild resumed after a failover finds its earlier steps done
-                            before = rec.rows_recovered
-                            rec.rows_recovered = max(rec.rows_recovered + resp.rows, resp.rows_total)
-                            rows = self.metrics.of(self.metrics.rows_recovered, shard=str(rec.shard))
-                            rows.inc(rec.rows_recovered - before)  # what the record counts: they agree
+                            self._rows_recovered(rec, rec.rows_recovered + resp.rows, resp.rows_total)
                         elif step.kind == "parity":
                             rec.parity_recovered += resp.rows
 
