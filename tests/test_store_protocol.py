@@ -645,6 +645,82 @@ def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_membe
     assert_fully_recovered(net, twin)
 
 
+class Background(threading.Thread):
+    """A call on its own thread, as a second RPC handler runs it; its answer or error kept for the test."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            self.error = e
+
+
+def test_a_parity_rebuild_sent_twice_at_once_runs_once_and_loses_no_update(ctx):
+    # A coordinator killed with a parity Recover in flight: its successor sends the same step while the first
+    # is still running. The second must not install its own cut after a commit was applied on the first's:
+    # the record would go back to a version its member has left, and every later delta would be held forever.
+    net, twin = Net(ctx), Net(ctx)
+    net.kill(Q)
+    rep = net.replace(Q)
+    net.call(WORKER, Q, "copy_dense")
+    net.call(WORKER, Q, "rebuild_rows", torch.arange(rep.num_rows))
+    every = torch.arange(rep.parity.parity.shape[0])
+    part, g, grads = part_at(ctx, S, 40)
+    second: list[Background] = []
+
+    def resend_then_commit(_call) -> None:
+        # The first rebuild has read S's rows; the second arrives, then a part of S commits.
+        b = Background(net.call, WORKER, Q, "rebuild_parity", every)
+        b.start()
+        b.join(0.5)
+        second.append(b)
+        commit_part(net, S, part.txn, stage_part(net, S, part.txn, g, grads))
+
+    net.on("read_rows", resend_then_commit, caller=Q, server=S, phase="after")
+    first = net.call(WORKER, Q, "rebuild_parity", every)
+    (b,) = second
+    b.join()
+    assert b.error is None and first == every.numel() and b.result == 0
+    commit_part(twin, S, part.txn, stage_part(twin, S, part.txn, g, grads))
+    assert_fully_recovered(net, twin)
+    later, g2, grads2 = part_at(ctx, S, 40, step="y", seed=6)  # and the record goes on taking updates
+    for n in (net, twin):
+        commit_part(n, S, later.txn, stage_part(n, S, later.txn, g2, grads2))
+    assert_fully_recovered(net, twin)
+
+
+def test_a_dense_copy_sent_twice_at_once_copies_each_chunk_once(ctx):
+    # As above for the dense step: a second install of an older copy would drop the steps committed on the
+    # first (one replica behind the other for the rest of the job).
+    net = Net(ctx)
+    net.kill(Q)
+    net.replace(Q)
+    copies = []
+    net.hooks.append(
+        lambda c: copies.append(c) if (c.method, c.phase) == ("serve_dense_copy", "before") else 0
+    )
+    second: list[Background] = []
+
+    def resend(_call) -> None:  # the first copy has its chunk from the survivor, not installed yet
+        b = Background(net.call, WORKER, Q, "copy_dense")
+        b.start()
+        b.join(0.5)
+        second.append(b)
+
+    net.on("serve_dense_copy", resend, caller=Q, phase="after")
+    first = net.call(WORKER, Q, "copy_dense")
+    (b,) = second
+    b.join()
+    assert b.error is None
+    chunks = ctx.dense_chunks_of(Q)
+    assert len(copies) == len(chunks) and first + b.result == sum(net[Q].dense.length(c) for c in chunks)
+    assert net[Q].dense.all_ready() and dense_replica_mismatches(net) == 0
+
+
 def test_parity_rebuilt_between_a_stage_and_its_commit_still_gets_the_update(ctx):
     net, twin = Net(ctx), Net(ctx)
     part, g, grads = part_at(ctx, S, 40)

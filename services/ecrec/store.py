@@ -213,6 +213,12 @@ class ShardStore:
             # A lone replica has nothing to copy from: ready at once, unless a checkpoint restores it.
             ready[c] = not replacement or (len(ctx.dense_holders(c)) == 1 and not ctx.checkpointing)
         self.dense = DenseReplicas(self.opt, records, ready)
+        # A replacement's parity records and dense chunks being rebuilt now. A Recover step can run twice at
+        # once (a coordinator died with it in flight and its successor sent it again): the second waits for
+        # the first and then finds it done. Installing a second, older cut after updates had been applied
+        # on top of the first would silently drop them.
+        self.parity_rebuilding = torch.zeros(n_par, dtype=torch.bool)
+        self.dense_copying_in: set[int] = set()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
         self.waiting = 0  # requests in _wait now (bounded by MAX_WAITING)
@@ -529,27 +535,43 @@ class ShardStore:
 
     def rebuild_parity(self, index: torch.Tensor) -> int:
         """Re-encode parity records from their members' current records (versions make the cut exact)."""
-        index = index[~self.parity.ready[index]]
-        if index.numel() == 0:
-            return 0
-        plan = StripeEncode(self.placement, self.shard, index)  # its reads wait for staged rows: read_rows
-        records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
         with self.lock:
-            self.parity.install(index, records, vers)
-            self.cond.notify_all()
+            self._wait(lambda: not bool(self.parity_rebuilding[index].any()), "parity records being rebuilt")
+            index = index[~self.parity.ready[index]]
+            if index.numel() == 0:
+                return 0
+            self.parity_rebuilding[index] = True
+        try:
+            plan = StripeEncode(
+                self.placement, self.shard, index
+            )  # its reads wait for staged rows: read_rows
+            records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
+            with self.lock:
+                self.parity.install(index, records, vers)
+        finally:
+            with self.lock:
+                self.parity_rebuilding[index] = False
+                self.cond.notify_all()
         return index.numel()
 
     def copy_dense(self) -> int:
         """Copy the replicated chunks from the surviving replica; skip txns the copy already contains."""
         n = 0
         for c in list(self.dense.records):
-            if self.dense.ready[c]:
-                continue
-            other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
-            recs, txns = self.peers.dense_copy(other, c, self.epoch)
             with self.lock:
-                self.dense.install(c, recs, txns)
-                self.cond.notify_all()
+                self._wait(lambda c=c: c not in self.dense_copying_in, f"dense chunk {c} being copied")
+                if self.dense.ready[c]:
+                    continue
+                self.dense_copying_in.add(c)
+            try:
+                other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
+                recs, txns = self.peers.dense_copy(other, c, self.epoch)
+                with self.lock:
+                    self.dense.install(c, recs, txns)
+            finally:
+                with self.lock:
+                    self.dense_copying_in.discard(c)
+                    self.cond.notify_all()
             n += recs.shape[0]
         return n
 
