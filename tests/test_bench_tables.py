@@ -90,7 +90,8 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
 
     def fake_run(ctx, out):
         ft = ctx.spec.fault_tolerance
-        order.append((ft.strategy, ft.ecrec.k, ft.ecrec.two_phase_commit, ft.ecrec.replicate_dense))
+        ec, streams = ft.ecrec, ctx.spec.workers.call_streams
+        order.append((ft.strategy, ec.k, ec.two_phase_commit, ec.replicate_dense, streams))
         rate = speed(len(order) - 1) * (1.0 if ft.strategy == "none" else 0.5)
         return {
             "samples_per_s": rate,

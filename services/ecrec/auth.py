@@ -43,13 +43,18 @@ def valid(token: str | None, presented: str | None) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), f"Bearer {token}".encode())
 
 
-class _AddToken(grpc.UnaryUnaryClientInterceptor):
+class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     def __init__(self, token: str):
         self.metadata = ((HEADER, f"Bearer {token}"),)
 
+    def _with_token(self, details):
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
     def intercept_unary_unary(self, continuation, details, request):
-        details = details._replace(metadata=(*(details.metadata or ()), *self.metadata))
-        return continuation(details, request)
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._with_token(details), request_iterator)
 
 
 def channel(address: str, token: str | None, options=None) -> grpc.Channel:
@@ -68,9 +73,10 @@ class RequireToken(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this job's token is required")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)  # the Calls stream (ecrec.streams)
 
     def intercept_service(self, continuation, handler_call_details):
         presented = dict(handler_call_details.invocation_metadata or ()).get(HEADER)
         if valid(self.token, presented):
             return continuation(handler_call_details)
-        return self._deny
+        return self._deny_stream if handler_call_details.method.endswith("/Calls") else self._deny

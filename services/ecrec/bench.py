@@ -26,6 +26,7 @@ from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import GRPC_OPTIONS
 from ecrec.spec import job_from_dict
 from ecrec.store import ShardStore
+from ecrec.streams import StreamPool
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 
 ROLES = ("worker", "server", "coordinator")
@@ -146,6 +147,11 @@ def bench_server(
             grpc.channel_ready_future(channel).result(timeout=60)
             stub = pb_grpc.ParameterServerStub(channel)
             stub.Info(pb.InfoRequest(), wait_for_ready=True, timeout=120)
+            streams = StreamPool(stub, size=1)  # as a worker calls: a message on a long-lived stream
+
+            def unary(method: str, request, timeout: float):
+                return getattr(stub, method)(request, timeout=timeout)
+
             store = ShardStore(ctx, 0)  # the same tables and optimizer, in this process
             results = []
             gen = torch.Generator().manual_seed(0)
@@ -154,23 +160,24 @@ def bench_server(
                 grads = torch.randn(b, dim, generator=gen) * 1e-3
                 pick = _cycler(pool)
 
-                def grpc_pull(pick=pick) -> None:
-                    resp = stub.Pull(pb.PullRequest(ids=ids_to_bytes(pick())))
+                def grpc_pull(call, pick=pick) -> None:
+                    resp = call("Pull", pb.PullRequest(ids=ids_to_bytes(pick())), 30.0)
                     torch.frombuffer(resp.rows, dtype=torch.float32).view(-1, dim)
 
-                def grpc_push(pick=pick, grads=grads) -> None:
-                    stub.Push(pb.PushRequest(ids=ids_to_bytes(pick()), grads=floats_to_bytes(grads)))
+                def grpc_push(call, pick=pick, grads=grads) -> None:
+                    call("Push", pb.PushRequest(ids=ids_to_bytes(pick()), grads=floats_to_bytes(grads)), 30.0)
 
-                row = {
-                    "batch": b,
-                    "pull_grpc": _rate(grpc_pull, b, seconds),
-                    "pull_inproc": _rate(lambda pick=pick: store.pull(pick()), b, seconds),
-                    "push_grpc": _rate(grpc_push, b, seconds),
-                    "push_inproc": _rate(
-                        lambda pick=pick, grads=grads: store.push(pick(), grads), b, seconds
-                    ),
-                }
+                row = {"batch": b}
+                for transport, call in (("stream", streams.call), ("unary", unary)):
+                    row[f"pull_{transport}"] = _rate(lambda call=call: grpc_pull(call), b, seconds)
+                row["pull_inproc"] = _rate(lambda pick=pick: store.pull(pick()), b, seconds)
+                for transport, call in (("stream", streams.call), ("unary", unary)):
+                    row[f"push_{transport}"] = _rate(lambda call=call: grpc_push(call), b, seconds)
+                row["push_inproc"] = _rate(
+                    lambda pick=pick, grads=grads: store.push(pick(), grads), b, seconds
+                )
                 results.append(row)
+            streams.close()
             channel.close()
         finally:
             proc.terminate()
@@ -179,15 +186,21 @@ def bench_server(
         f"# ecrec bench server: {rows:,} rows x dim {dim}, optimizer {optimizer}, record width "
         f"{ctx.record_width} floats"
     )
-    columns = [
-        Column("batch rows", lambda r: r["batch"], "{:,}"),
-        Column("pull gRPC rows/s", lambda r: _round(r["pull_grpc"]), "{:,}"),
-        Column("pull in-process rows/s", lambda r: _round(r["pull_inproc"]), "{:,}"),
-        Column("pull ratio", lambda r: _round(r["pull_grpc"] / r["pull_inproc"], 3), "{:.2f}"),
-        Column("push gRPC rows/s", lambda r: _round(r["push_grpc"]), "{:,}"),
-        Column("push in-process rows/s", lambda r: _round(r["push_inproc"]), "{:,}"),
-        Column("push ratio", lambda r: _round(r["push_grpc"] / r["push_inproc"], 3), "{:.2f}"),
-    ]
+    columns = [Column("batch rows", lambda r: r["batch"], "{:,}")]
+    for op in ("pull", "push"):
+        columns += [
+            Column(f"{op} gRPC rows/s", lambda r, op=op: _round(r[f"{op}_stream"]), "{:,}"),
+            Column(f"{op} unary rows/s", lambda r, op=op: _round(r[f"{op}_unary"]), "{:,}"),
+            Column(f"{op} in-process rows/s", lambda r, op=op: _round(r[f"{op}_inproc"]), "{:,}"),
+            Column(
+                f"{op} ratio", lambda r, op=op: _round(r[f"{op}_stream"] / r[f"{op}_inproc"], 3), "{:.2f}"
+            ),
+            Column(
+                f"{op} unary ratio",
+                lambda r, op=op: _round(r[f"{op}_unary"] / r[f"{op}_inproc"], 3),
+                "{:.2f}",
+            ),
+        ]
     emit_table(title, columns, results, out_dir)
     return results
 
@@ -268,6 +281,10 @@ OVERHEAD_CASES = [
             "faultTolerance.ecrec.k=4",
             "faultTolerance.ecrec.replicateDense=false",
         ],
+    ),
+    (
+        "ECRec k=4, unary calls",
+        ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4", "workers.callStreams=0"],
     ),
 ]
 

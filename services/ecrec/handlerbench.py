@@ -100,10 +100,10 @@ def measure(ctx: JobContext, steps: int) -> dict:
         stubs[s] = _Stub(servicer, cpu, calls, one_at_a_time)
     # A coordinator address makes the client run the fault-tolerant path; nothing here fails, so it is never
     # called.
-    client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "")
+    client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "", streams=0)
     try:
         for s in range(n):
-            client.stubs[s] = stubs[s]
+            client.stubs[s] = client.streams[s].stub = stubs[s]
         data, batch_size = data_source(ctx), ctx.spec.training.batch_size
         gen = torch.Generator().manual_seed(0)
         start_cpu = 0.0

@@ -33,6 +33,7 @@ from ecrec.metrics import Metrics, StoreCollector
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.streams import StreamEndpoint
 from ecrec.wire import (
     InvalidRequest,
     bytes_to_floats,
@@ -313,6 +314,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._writes: dict[int, futures.Future] = {}
         self._writes_lock = threading.Lock()
+        self.streams = StreamEndpoint(self)  # the Calls stream runs the methods below, one message each
+
+    def Calls(self, request_iterator, context):
+        """Unary calls as messages on a long-lived stream (ecrec.streams)."""
+        yield from self.streams.serve(request_iterator, context)
 
     @property
     def epoch(self) -> int:
@@ -716,10 +722,13 @@ def _checkpoint_answer(entry: dict, rows: int, start: float):
 def start_grpc(
     servicer: ParameterServicer, bind: str, threads: int = 64, token: str | None = None
 ) -> tuple[grpc.Server, int]:
-    """Serve `servicer` on `bind`; with a job `token`, every call must carry it (ecrec.auth)."""
+    """Serve `servicer` on `bind`; with a job `token`, every call must carry it (ecrec.auth). `threads` for
+    unary calls, and one more for each `Calls` stream it keeps open."""
     interceptors = [auth.RequireToken(token)] if token else []
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads), options=GRPC_OPTIONS, interceptors=interceptors
+        futures.ThreadPoolExecutor(max_workers=threads + servicer.streams.max_streams),
+        options=GRPC_OPTIONS,
+        interceptors=interceptors,
     )
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
     port = server.add_insecure_port(bind)

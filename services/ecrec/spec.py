@@ -376,6 +376,13 @@ class WorkersSpec(_Section):
     replicas: PosInt = Field(default=1, description="Number of workers")
     threads: int = Field(default=0, ge=0, description="Torch threads per worker; 0 = auto")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto uses CUDA when present")
+    call_streams: int = Field(
+        default=4,
+        ge=0,
+        le=32,
+        description="Long-lived gRPC streams a worker keeps open to each server, its calls sent as messages on "
+        "them (cheaper than a unary call each); 0 = unary calls",
+    )
     image: Image
     image_pull_policy: ImagePullPolicy
     resources: Resources

@@ -458,7 +458,7 @@ def run_worker(
     reporter.step, reporter.samples = int(resume["step"]), int(resume["samples"])
     reporter.start()
     link.wait_start()
-    client = PSClient(ctx, link.cluster(), metrics, coordinator=url)
+    client = PSClient(ctx, link.cluster(), metrics, coordinator=url, streams=ctx.spec.workers.call_streams)
     reporter.counters = client.report_counters
     trainer = Trainer(ctx, client, device)
     data = data_source(ctx)

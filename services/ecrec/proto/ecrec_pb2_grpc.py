@@ -34,6 +34,11 @@ class ParameterServerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Calls = channel.stream_stream(
+                '/ecrec.v1.ParameterServer/Calls',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.Call.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.Call.FromString,
+                _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/ecrec.v1.ParameterServer/Pull',
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.PullRequest.SerializeToString,
@@ -133,6 +138,13 @@ class ParameterServerStub:
 
 class ParameterServerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Calls(self, request_iterator, context):
+        """Unary calls as messages on one stream (ecrec.streams): a message costs less than a call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -252,6 +264,11 @@ class ParameterServerServicer:
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.Call.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.Call.SerializeToString,
+            ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.PullRequest.FromString,
@@ -357,6 +374,33 @@ def add_ParameterServerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ecrec.v1.ParameterServer/Calls',
+            ecrec_dot_proto_dot_ecrec__pb2.Call.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.Call.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Pull(request,
