@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from ecrec import auth
+from ecrec import auth, streams
 from ecrec.client import PSClient
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
@@ -187,3 +187,21 @@ def test_call_streams_is_a_bounded_count():
     for bad in (-1, 33):
         with pytest.raises(ValueError, match="callStreams|call_streams"):
             make_ctx(workers__callStreams=bad)
+
+
+def test_a_stream_the_watchdog_cancels_as_its_answer_arrives_is_not_lent_again(served, monkeypatch):
+    ctx, store, servicer, stub, pool = served
+    req = pb.PullRequest(epoch=5, ids=ids_to_bytes(ids(ctx, 2)))
+    real = streams.WATCHDOG.unwatch
+
+    def late(stream):  # the watchdog fires between the answer and the caller's unwatch
+        real(stream)
+        stream.expired = True
+        stream.cancel()
+        return True
+
+    monkeypatch.setattr(streams.WATCHDOG, "unwatch", late)
+    assert len(pool.call("Pull", req, 5.0).rows) == 2 * ctx.dim * 4  # the answer came: it counts
+    monkeypatch.setattr(streams.WATCHDOG, "unwatch", real)
+    assert pool._idle == []  # the cancelled stream was dropped, not put back
+    assert len(pool.call("Pull", req, 5.0).rows) == 2 * ctx.dim * 4  # on a new stream

@@ -152,19 +152,23 @@ class _Watchdog:
                 self._thread = threading.Thread(target=self._run, name="stream-watchdog", daemon=True)
                 self._thread.start()
 
-    def unwatch(self, stream: _Stream) -> None:
+    def unwatch(self, stream: _Stream) -> bool:
+        """Stop watching; True if the stream expired meanwhile."""
         with self._lock:
             self.busy.discard(stream)
+            return stream.expired
 
     def _run(self) -> None:
         while True:
             time.sleep(WATCHDOG_PERIOD)
             now = time.monotonic()
-            with self._lock:
+            with self._lock:  # decided under the lock: a stream whose answer came meanwhile is not busy
                 late = [s for s in self.busy if s.deadline < now]
                 self.busy.difference_update(late)
+                for s in late:
+                    s.expired = True
             for s in late:
-                s.expire()
+                s.cancel()
 
 
 WATCHDOG = _Watchdog()
@@ -183,7 +187,7 @@ class _Stream:
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._answers = open_calls(iter(self._out.get, None))
         self.deadline = 0.0
-        self.expired = False
+        self.expired = False  # set by the watchdog: the stream is being cancelled, never to be reused
         self.answered = False  # has this stream answered anything (was it accepted)?
 
     def call(self, method: str, request, response_cls: type, timeout: float):
@@ -194,22 +198,21 @@ class _Stream:
             answer = next(self._answers)
         except grpc.RpcError as e:
             error = e
-            if self.expired:
+            if WATCHDOG.unwatch(self):
                 error = CallError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: no answer within {timeout:.1f}s"
                 )
             raise _Broken(error, self.answered) from None
         except StopIteration:
-            raise _Broken(CallError(grpc.StatusCode.UNAVAILABLE, "the stream ended"), self.answered) from None
-        finally:
             WATCHDOG.unwatch(self)
+            raise _Broken(CallError(grpc.StatusCode.UNAVAILABLE, "the stream ended"), self.answered) from None
+        WATCHDOG.unwatch(self)  # expired just now? The answer still counts; the pool drops the stream
         self.answered = True
         if answer.code:
             raise CallError(_CODES.get(answer.code, grpc.StatusCode.UNKNOWN), answer.details)
         return response_cls.FromString(answer.body)
 
-    def expire(self) -> None:
-        self.expired = True
+    def cancel(self) -> None:
         self._answers.cancel()
 
     def close(self) -> None:
@@ -260,6 +263,9 @@ class StreamPool:
         return _Stream(self.stub.Calls)
 
     def _give(self, stream: _Stream) -> None:
+        if stream.expired:  # answered as the watchdog cancelled it
+            self._drop(stream)
+            return
         with self._lock:
             if not self.closed:
                 self._idle.append(stream)
