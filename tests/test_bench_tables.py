@@ -102,6 +102,7 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
             "rpcs_served": {"Pull": 100, "Stage": 60},
             "cpu": {"per_1000_samples": {"worker": 0.02, "server": 0.03, "coordinator": None}},
             "server_load": [{"work": 1.0, "cpu_s": 1.0}, {"work": 3.0, "cpu_s": 1.0}],
+            **({"parity_check": {"mismatches": len(order) % 2}} if ft.strategy == "ecrec" else {}),
         }
 
     monkeypatch.setattr(bench, "_run", fake_run)
@@ -119,6 +120,8 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
     k4 = rows[2]
     assert k4["rpcs_per_step"] == 8.0 and k4["load"]["work"] == 1.5 and k4["cpu"]["server"] == 0.03
     assert math.isnan(k4["cpu"]["coordinator"])
+    # the most mismatches any of its runs had (k=4 ran 3rd, 10th, 15th: 1, 0, 1); none without parity
+    assert k4["parity_mismatches"] == 1 and rows[0]["parity_mismatches"] is None
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[2]["ratio per round"] == " / ".join(f"{x:.2f}" for x in k4["ratios"])
     assert summary[2]["throughput vs No FT (steady)"] == round(k4["ratio"], 3)

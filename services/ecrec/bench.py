@@ -317,6 +317,8 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds:
                 "rpcs_per_step": rpcs_per_step(report),
                 "cpu": _cpu(report),
                 "load": load_balance(report.get("server_load") or []),
+                # invariant I1 after the run (ECRec only): a speed-up that broke parity is no speed-up
+                "parity_mismatches": (report.get("parity_check") or {}).get("mismatches"),
             }
         )
         print(
@@ -338,6 +340,7 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds:
         Column("server work max/mean", lambda r: _round(r["load"]["work"], 3), "{:.2f}"),
         Column("server CPU max/mean", lambda r: _round(r["load"]["cpu"], 3), "{:.2f}"),
         Column("eval AUC", lambda r: r["auc"], "{:.4f}"),
+        Column("parity mismatches (most in a run)", lambda r: r["parity_mismatches"], "{:,}"),
     ]
     title = f"# ecrec bench overhead: {job} {' '.join(sets)} steps={steps}"
     emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), columns, rows, out_dir)
@@ -358,6 +361,9 @@ def overhead_row(label: str, runs: list[dict], base: list[dict]) -> dict:
         **{key: _median([r[key] for r in runs]) for key in ("mean", "steady", "auc", "rpcs_per_step")},
         "cpu": {role: _median([r["cpu"][role] for r in runs]) for role in ROLES},
         "load": {key: _median([r["load"][key] for r in runs]) for key in ("work", "cpu")},
+        "parity_mismatches": max(
+            (r["parity_mismatches"] for r in runs if r.get("parity_mismatches") is not None), default=None
+        ),
     }
 
 
