@@ -17,6 +17,7 @@ from ecrec.coordinator import (
     Progress,
     RegisterServer,
     RegisterWorker,
+    WorkerFinished,
 )
 from ecrec.core.cluster import GENERATION_EPOCHS, ClusterMap, ProbeFirst, Refused, ShardState
 from ecrec.local import run_local
@@ -176,6 +177,27 @@ def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_
             assert rows == 860  # the counter agrees with the record
             assert st["events"][-1]["kind"] == "recovery_completed"
         new._stop.set()
+
+
+def test_a_worker_done_as_its_coordinator_died_is_finished_when_the_launcher_reports_its_exit():
+    # The old coordinator acknowledged the last report and died before its state was saved; the worker exited
+    # (0) before the launcher built the successor's seed. Only the launcher's report of the exit finishes it.
+    job, clock, alive, old = started_job()
+    steps, batch = job.spec.training.steps, job.spec.training.batch_size
+    old.report_progress(Progress(rank=0, instance="w0-1", step=steps - 3, samples=(steps - 3) * batch))
+    seed = old.status()["resume"]
+    old.report_progress(Progress(rank=0, instance="w0-1", step=steps, samples=steps * batch, done=True))
+    assert old.status()["phase"] == "Succeeded"
+    new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
+    assert new.status()["phase"] == "Running"
+    with pytest.raises(Refused):  # only the process the coordinator lists
+        new.worker_finished(WorkerFinished(rank=0, instance="w0-0"))
+    new.worker_finished(WorkerFinished(rank=0, instance="w0-1"))
+    st = new.status()
+    assert st["phase"] == "Succeeded" and st["step"] == steps and st["samples"] == steps * batch
+    assert [e["kind"] for e in st["events"]][-2:] == ["worker_finished", "training_finished"]
+    new.worker_finished(WorkerFinished(rank=0, instance="w0-1"))  # again (the next pass): nothing changes
+    assert new.status()["samples"] == steps * batch and len(new.status()["events"]) == len(st["events"])
 
 
 # -- live jobs --------------------------------------------------------------------------------------------

@@ -122,6 +122,18 @@ def test_a_finished_worker_is_never_recreated_and_an_erroring_one_fails_the_job(
     assert act.kind == "fail" and "worker 0 exited with code 1" in act.reason
 
 
+def test_a_worker_that_exited_0_unknown_to_the_coordinator_as_done_is_reported_finished_not_recreated():
+    # Its last report reached a coordinator that died before its state was saved: this one started from an
+    # older copy, and only the launcher, which saw the exit, can tell it.
+    procs = without(running(), "worker", 0) + [Proc("worker", 0, 1, "succeeded", "w0-1", exit_code=0)]
+    assert reconcile(obs(procs, status())) == [
+        Action("report_worker_finished", "worker", 0, 1, instance="w0-1")
+    ]
+    assert reconcile(obs(procs, status(workers={0: {"done": True}}))) == []  # it knows: nothing to say
+    # a process of another incarnation than the one the coordinator lists proves nothing about that one
+    assert reconcile(obs(procs, status(workers={0: {"instance": "w0-2", "incarnation": 2}}))) == []
+
+
 def test_nothing_is_created_once_the_job_is_over_or_deleted():
     procs = without(without(running(), "server", 1), "worker", 0)
     for phase in ("Succeeded", "Failed"):

@@ -406,6 +406,8 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
             {"rank": action.index, "instance": action.instance, "replacing": True},
         )
         kopf.warn(owner, reason="WorkerLost", message=f"worker {action.index}: its pod is gone; replacing it")
+    elif action.kind == "report_worker_finished":
+        _post(base, "/v1/workers/finished", token, {"rank": action.index, "instance": action.instance})
     return 0
 
 

@@ -107,6 +107,11 @@ class WorkerLost(BaseModel):
     replacing: bool = False  # a replacement will resume the rank's steps: the job waits for it
 
 
+class WorkerFinished(BaseModel):
+    rank: int
+    instance: str  # the registered process that exited 0: it trained its steps and a coordinator heard so
+
+
 class RpcLatency(BaseModel):
     buckets: list[float]  # cumulative counts per bucket of ecrec.metrics.LATENCY_BUCKETS, then +Inf
     sum: float
@@ -807,6 +812,29 @@ class Coordinator:
                 self.progress.event("training_finished", now)
             return {"epoch": self.cluster.epoch}
 
+    def worker_finished(self, req: WorkerFinished) -> dict:
+        """A worker process exited 0: it exits only once a coordinator acknowledged its last report (all its
+        steps done). That coordinator may have died before its state was saved; the launcher, which sees the
+        exit, says so here, and the rank counts as done at its last step."""
+        with self.lock:
+            w = self._worker(req.rank, req.instance)
+            if w.done or w.lost:
+                return {"epoch": self.cluster.epoch}
+            training = self.spec.training
+            steps, samples = max(w.step, training.steps), max(w.samples, training.steps * training.batch_size)
+            self.metrics.of(self.metrics.samples).inc(samples - w.samples)
+            w.step, w.samples, w.done = steps, samples, True
+            self.progress.event("worker_finished", self.clock(), worker=req.rank, step=steps)
+            if self.ckpt is not None:
+                cycle = self.ckpt.cycle
+                self.ckpt.feed(cycle.report(req.rank, steps, samples, True, None, cycle.rollback))
+            if self.finished and self.progress.finished_at is None:
+                now = self.clock()
+                self.progress.sample(now)
+                self.progress.finished_at = now
+                self.progress.event("training_finished", now)
+            return {"epoch": self.cluster.epoch}
+
     def add_event(self, ev: EventIn) -> dict:
         if ev.kind not in EVENT_KINDS:
             raise HTTPException(400, f"kind: {ev.kind!r} is not one of {', '.join(EVENT_KINDS)}")
@@ -1191,6 +1219,10 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/workers/lost")
     def worker_lost(req: WorkerLost) -> dict:
         return coord.worker_lost(req)
+
+    @app.post("/v1/workers/finished")
+    def worker_finished(req: WorkerFinished) -> dict:
+        return coord.worker_finished(req)
 
     @app.post("/v1/events")
     def events(ev: EventIn) -> dict:

@@ -452,7 +452,7 @@ class Supervisor:
             for c in cluster.history:
                 if c.instance == a.instance:
                     c.proc.kill()
-        elif a.kind in ("report_failed", "start_recovery", "report_worker_lost"):
+        elif a.kind in ("report_failed", "start_recovery", "report_worker_lost", "report_worker_finished"):
             try:
                 self._tell_coordinator(cluster, a)
             except httpx.TransportError:
@@ -471,6 +471,8 @@ class Supervisor:
             r = cluster.http.post(f"{url}/recoveries", json={"shard": a.index})
             if r.status_code not in (200, 409):  # 409: not registered yet; asked again next tick
                 r.raise_for_status()
+        elif a.kind == "report_worker_finished":
+            cluster.http.post(f"{url}/v1/workers/finished", json={"rank": a.index, "instance": a.instance})
         else:
             cluster.http.post(
                 f"{url}/v1/workers/lost", json={"rank": a.index, "instance": a.instance, "replacing": True}

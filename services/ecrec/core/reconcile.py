@@ -19,6 +19,9 @@ observed now, so they are idempotent under duplicate events and correct after th
 - a worker whose process was killed or deleted before finishing its steps is reported lost and replaced
   under the same rank (it resumes where the coordinator's record of its progress ends); a worker that exited
   with an error of its own (exit code 1-127) fails the job with that reason instead;
+- a worker whose process exited 0 (it exits only once a coordinator acknowledged its last report) while the
+  coordinator's record says it is not done — a coordinator that died before its state was saved heard that
+  report — is reported finished;
 - a worker the coordinator declares unresponsive (silent for the failure timeout) whose process is still there
   is deleted; then, like any lost worker, it is reported lost and replaced under its rank;
 - warm spares (`servers.spares`): that many spare processes are kept idle; a failed shard for which the
@@ -79,7 +82,14 @@ class Observed:
 @dataclass(frozen=True)
 class Action:
     kind: Literal[
-        "create", "delete", "report_failed", "start_recovery", "report_worker_lost", "fail", "adopt"
+        "create",
+        "delete",
+        "report_failed",
+        "start_recovery",
+        "report_worker_lost",
+        "report_worker_finished",
+        "fail",
+        "adopt",
     ]
     role: Role | None = None
     index: int = 0
@@ -321,7 +331,22 @@ def _worker(plan: _Plan, r: int, procs: list[Proc], worker: dict | None, seen: b
                     )
                 )
                 return
-    if any(p.live for p in procs) or any(p.state == "succeeded" for p in procs):
+    finished = [p for p in procs if p.state == "succeeded"]
+    if worker is not None and not worker.get("done") and not worker.get("lost"):
+        if any(p.instance == worker.get("instance") for p in finished):
+            # It exited 0, so a coordinator heard its last report: one that died before its state was saved
+            # (this coordinator started from an older copy). Tell this one.
+            plan.actions.append(
+                Action(
+                    "report_worker_finished",
+                    "worker",
+                    r,
+                    int(worker.get("incarnation", 0)),
+                    instance=worker["instance"],
+                )
+            )
+            return
+    if any(p.live for p in procs) or finished:
         return  # running, or finished its steps: never recreated
     if not seen or (worker is not None and worker.get("done") and not worker.get("lost")):
         return
