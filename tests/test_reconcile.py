@@ -105,8 +105,8 @@ def test_a_superseded_live_process_is_deleted():
 def test_a_killed_worker_is_reported_lost_and_resumed_under_its_rank():
     procs = without(running(), "worker", 1) + [Proc("worker", 1, 1, "failed", "w1-1", exit_code=137)]
     acts = reconcile(obs(procs, status()))
-    assert acts == [
-        Action("report_worker_lost", "worker", 1, 1, instance="w1-1"),
+    assert acts == [  # (the exit code goes into the coordinator's worker_lost event)
+        Action("report_worker_lost", "worker", 1, 1, instance="w1-1", reason="exited with code 137"),
         Action("create", "worker", 1, 2, replacement=True),
     ]
     # Reported lost, replacement not seen yet (e.g. the launcher restarted): create it, do not report again.
@@ -207,7 +207,7 @@ def test_an_unresponsive_worker_is_deleted_then_reported_lost_and_replaced():
     # Its pod is terminating: no second delete; it is lost, so reported and replaced (as a killed worker).
     procs = without(running(), "worker", 1) + [Proc("worker", 1, 1, "deleting", "w1-1")]
     assert reconcile(obs(procs, st)) == [
-        Action("report_worker_lost", "worker", 1, 1, instance="w1-1"),
+        Action("report_worker_lost", "worker", 1, 1, instance="w1-1", reason="gone"),
         Action("create", "worker", 1, 2, replacement=True),
     ]
     # The flag names another process (a replacement registered since): the live one is left alone.

@@ -403,7 +403,7 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
             base,
             "/v1/workers/lost",
             token,
-            {"rank": action.index, "instance": action.instance, "replacing": True},
+            {"rank": action.index, "instance": action.instance, "replacing": True, "reason": action.reason},
         )
         kopf.warn(owner, reason="WorkerLost", message=f"worker {action.index}: its pod is gone; replacing it")
     elif action.kind == "report_worker_finished":

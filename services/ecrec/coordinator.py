@@ -105,6 +105,7 @@ class WorkerLost(BaseModel):
     rank: int
     instance: str  # the registered process that died
     replacing: bool = False  # a replacement will resume the rank's steps: the job waits for it
+    reason: str = Field(default="", max_length=200)  # how the launcher saw it go ("exited with code 139")
 
 
 class WorkerFinished(BaseModel):
@@ -803,7 +804,8 @@ class Coordinator:
             if w.done or w.lost:
                 return {"epoch": self.cluster.epoch}  # finished, or reported lost already
             w.lost, w.done = True, not req.replacing
-            self.progress.event("worker_lost", self.clock(), worker=req.rank, step=w.step)
+            detail = {"reason": req.reason} if req.reason else {}
+            self.progress.event("worker_lost", self.clock(), worker=req.rank, step=w.step, **detail)
             if self.ckpt is not None:
                 self.ckpt.feed(self.ckpt.cycle.worker_lost(req.rank))
             if self.finished and self.progress.finished_at is None:

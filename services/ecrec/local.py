@@ -159,7 +159,8 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
                 preexec_fn=die_with(os.getpid()),
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                # a native crash (a signal) dumps every thread's Python stack into the process's log
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **self.env},
             )
         self.children[name] = child
         self.history.append(child)
@@ -475,7 +476,8 @@ class Supervisor:
             cluster.http.post(f"{url}/v1/workers/finished", json={"rank": a.index, "instance": a.instance})
         else:
             cluster.http.post(
-                f"{url}/v1/workers/lost", json={"rank": a.index, "instance": a.instance, "replacing": True}
+                f"{url}/v1/workers/lost",
+                json={"rank": a.index, "instance": a.instance, "replacing": True, "reason": a.reason},
             )
 
 

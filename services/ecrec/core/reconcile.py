@@ -352,6 +352,10 @@ def _worker(plan: _Plan, r: int, procs: list[Proc], worker: dict | None, seen: b
         return
     known = int((worker or {}).get("incarnation", 0))
     if worker is not None and not worker.get("lost") and worker.get("instance"):
-        plan.actions.append(Action("report_worker_lost", "worker", r, known, instance=worker["instance"]))
+        gone = next((p for p in procs if p.instance == worker["instance"]), None)
+        how = "gone" if gone is None or gone.exit_code is None else f"exited with code {gone.exit_code}"
+        plan.actions.append(
+            Action("report_worker_lost", "worker", r, known, instance=worker["instance"], reason=how)
+        )
     plan.actions.append(Action("create", "worker", r, _next(procs, known), replacement=worker is not None))
     plan.created += 1
