@@ -20,6 +20,7 @@ from ecrec.store import PeerFailed, ShardStore
 from ecrec.streams import StreamPool
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 from tests.conftest import make_ctx
+from tests.test_store_protocol import Background
 
 SHARD = 1
 
@@ -223,3 +224,37 @@ def test_a_servers_reads_from_its_peers_go_on_streams_and_their_errors_are_peer_
         assert servicer.streams.open == 1  # the stream answered the error and stays
     finally:
         server.stop(None)
+
+
+def test_a_map_change_leaves_the_old_channel_to_its_calls_in_flight(monkeypatch):
+    # A shard moved (a replacement's address): the client's call still on the old channel's stream gets its
+    # answer; the old channel is not closed under it (closing a channel a stream still uses can crash the
+    # process); later calls go to the new address.
+    ctx, store, servicer, server, address = serve()
+    _, store2, servicer2, server2, address2 = serve()
+
+    def cluster(epoch, addr):
+        return {
+            "epoch": epoch,
+            "shards": [{"shard": s, "state": "up", "address": addr, "incarnation": 1} for s in range(3)],
+        }
+
+    client = PSClient(ctx, cluster(5, address), streams=2)
+    try:
+        g = ids(ctx, 20)
+        real_pull = store.pull
+        monkeypatch.setattr(store, "pull", lambda g, *a, **k: (time.sleep(0.5), real_pull(g, *a, **k))[1])
+        slow = Background(client.pull, g, False)
+        slow.start()
+        time.sleep(0.2)
+        old = client.channels[SHARD]
+        client.update_cluster(cluster(5, address2))  # (the servers of this test confirm no newer epoch)
+        slow.join()
+        assert slow.error is None and torch.equal(slow.result[0], real_pull(g))
+        assert client.channels[SHARD] is not old
+        rows, _ = client.pull(g, dense=False)
+        assert torch.equal(rows, store2.pull(g)) and servicer2.streams.open == 1
+    finally:
+        client.close()
+        server.stop(None)
+        server2.stop(None)

@@ -109,8 +109,7 @@ class PSClient:
             self.incarnations[shard] = int(s.get("incarnation", 0))
             if addr and self.addresses.get(shard) != addr:
                 if shard in self.channels:
-                    self.streams[shard].close()
-                    self.channels[shard].close()
+                    self._retire(shard)
                 ch = auth.channel(addr, self.ctx.token, options=GRPC_OPTIONS)
                 stub = pb_grpc.ParameterServerStub(ch)
                 self.channels[shard], self.stubs[shard], self.addresses[shard] = ch, stub, addr
@@ -171,13 +170,21 @@ class PSClient:
             failed = frozenset(s for s, st in self.states.items() if st == "failed")
             return MapView(self.epoch, failed, dict(self.incarnations))
 
+    def _retire(self, shard: int) -> None:
+        """The shard moved to a new address: end the old channel's idle streams (a lent one ends when its call
+        returns). A channel that carried streams is not closed but dropped, for the garbage collector once
+        every call and stream on it is over: closing a gRPC Python channel while a call or a stream's request
+        thread still uses it can crash the process (a CI chaos run lost a worker that way, at a map change)."""
+        streams, channel = self.streams[shard], self.channels[shard]
+        streams.close()
+        if not streams.opened:
+            channel.close()
+
     def close(self) -> None:
         self.flush_decisions()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for pool in self.streams.values():
-            pool.close()
-        for ch in self.channels.values():
-            ch.close()
+        for shard in list(self.channels):
+            self._retire(shard)
         if self.http is not None:
             self.http.close()
 

@@ -229,6 +229,7 @@ class StreamPool:
         self.stub, self.size = stub, size
         self._idle: list[_Stream] = []
         self._open = 0
+        self.opened = 0  # streams ever opened (the channel's owner must not close it under them)
         self._lock = threading.Lock()
         self.unary_only = size <= 0
         self.closed = False
@@ -261,6 +262,7 @@ class StreamPool:
             if self._open >= self.size:
                 return None
             self._open += 1
+            self.opened += 1
         return _Stream(self.stub.Calls)
 
     def _give(self, stream: _Stream) -> None:
