@@ -15,8 +15,8 @@ from ecrec.client import PSClient
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
-from ecrec.server import ClusterView, GrpcPeers, ParameterServicer, start_grpc
-from ecrec.store import PeerFailed, ShardStore
+from ecrec.server import ParameterServicer, start_grpc
+from ecrec.store import ShardStore
 from ecrec.streams import StreamPool
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 from tests.conftest import make_ctx
@@ -206,24 +206,6 @@ def test_a_stream_the_watchdog_cancels_as_its_answer_arrives_is_not_lent_again(s
     monkeypatch.setattr(streams.WATCHDOG, "unwatch", real)
     assert pool._idle == []  # the cancelled stream was dropped, not put back
     assert len(pool.call("Pull", req, 5.0).rows) == 2 * ctx.dim * 4  # on a new stream
-
-
-def test_a_servers_reads_from_its_peers_go_on_streams_and_their_errors_are_peer_failures():
-    ctx, store, servicer, server, address = serve()
-    snapshot = {
-        "epoch": 5,
-        "shards": [{"shard": s, "state": "up", "address": address, "incarnation": 1} for s in range(3)],
-    }
-    peers = GrpcPeers(ClusterView(snapshot=snapshot), 0, Metrics("t", "server", "0"))
-    try:
-        index = torch.arange(10)
-        (got,) = peers.read_rows([(SHARD, "data", index, -1)], epoch=5)
-        assert torch.equal(got.records, store.rows.records[index]) and servicer.streams.open == 1
-        with pytest.raises(PeerFailed, match="INVALID_ARGUMENT"):  # rows past the table's end
-            peers.read_rows([(SHARD, "data", torch.tensor([store.num_rows]), -1)], epoch=5)
-        assert servicer.streams.open == 1  # the stream answered the error and stays
-    finally:
-        server.stop(None)
 
 
 def test_a_map_change_leaves_the_old_channel_to_its_calls_in_flight(monkeypatch):

@@ -33,7 +33,7 @@ from ecrec.metrics import Metrics, StoreCollector
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
-from ecrec.streams import PEER_STREAMS, StreamEndpoint, StreamPool
+from ecrec.streams import StreamEndpoint
 from ecrec.wire import (
     InvalidRequest,
     bytes_to_floats,
@@ -141,23 +141,21 @@ class GrpcPeers:
         self.view, self.me, self.metrics, self.timeout = view, me, metrics, timeout
         self.token = token
         self._stubs: dict[str, pb_grpc.ParameterServerStub] = {}
-        self._streams: dict[str, StreamPool] = {}
         self._lock = threading.Lock()
         # Blocking calls on a pool rather than grpc's .future(): cheaper in CPU (see PSClient._call).
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer")
 
     def _call(self, server: int, method: str, request, timeout: float | None = None):
-        """A call as a message on one of the peer's streams (ecrec.streams), unary if none is idle."""
-        self.stub(server)
-        streams = self._streams[self.view.address(server)]
-        return self._pool.submit(streams.call, method, request, timeout or self.timeout)
+        stub = getattr(self.stub(server), method)
+        return self._pool.submit(stub, request, timeout=timeout or self.timeout)
 
     def stub(self, server: int) -> pb_grpc.ParameterServerStub:
         addr = self.view.address(server)
         with self._lock:
             if addr not in self._stubs:
-                stub = pb_grpc.ParameterServerStub(auth.channel(addr, self.token, options=GRPC_OPTIONS))
-                self._stubs[addr], self._streams[addr] = stub, StreamPool(stub, PEER_STREAMS)
+                self._stubs[addr] = pb_grpc.ParameterServerStub(
+                    auth.channel(addr, self.token, options=GRPC_OPTIONS)
+                )
             return self._stubs[addr]
 
     def _gather(self, calls: list[tuple[int, grpc.Future]]) -> dict[int, Exception | None]:

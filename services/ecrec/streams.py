@@ -31,9 +31,8 @@ from ecrec.proto import ecrec_pb2 as pb
 
 log = logging.getLogger("ecrec.streams")
 
-MAX_STREAMS = 64  # per server: each open stream holds one handler thread (the server has 64 + this many)
+MAX_STREAMS = 32  # per server: each open stream holds one handler thread (the server has 64 + this many)
 STREAMS_PER_SERVER = 4  # per client and server: the training thread's and the update thread's calls at once
-PEER_STREAMS = 2  # per server and peer (degraded reads, rebuilds, deltas without 2PC)
 WATCHDOG_PERIOD = 0.02  # seconds: how late a timed-out call on a stream may fail
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _FALLBACK = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
