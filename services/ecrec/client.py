@@ -31,7 +31,7 @@ from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
 from ecrec.server import GRPC_OPTIONS
-from ecrec.streams import STREAMS_PER_SERVER, StreamPool
+from ecrec.streams import StreamPool
 from ecrec.updater import UpdateDriver
 from ecrec.wire import bytes_to_floats, floats_to_bytes, ids_to_bytes
 
@@ -58,10 +58,12 @@ class PSClient:
         metrics: Metrics | None = None,
         timeout: float = 30.0,
         coordinator: str = "",
-        streams: int = STREAMS_PER_SERVER,
+        streams: int = 0,
     ):
         self.ctx, self.timeout = ctx, timeout
-        self.streams_per_server = streams  # 0: every call unary (ecrec.streams)
+        # Streams per server for this client's calls (ecrec.streams); 0: every call unary. Workers use them
+        # (workers.callStreams); one-off readers (verify, the final checks) need not.
+        self.streams_per_server = streams
         self.progress_timeout = ctx.spec.coordinator.progress_timeout_seconds
         self.metrics = metrics or Metrics(ctx.name, "client")
         self.coordinator = coordinator.rstrip("/")

@@ -100,7 +100,7 @@ def measure(ctx: JobContext, steps: int) -> dict:
         stubs[s] = _Stub(servicer, cpu, calls, one_at_a_time)
     # A coordinator address makes the client run the fault-tolerant path; nothing here fails, so it is never
     # called.
-    client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "", streams=0)
+    client = PSClient(ctx, cluster, coordinator="http://127.0.0.1:9" if ctx.ecrec else "")
     try:
         for s in range(n):
             client.stubs[s] = client.streams[s].stub = stubs[s]

@@ -1,4 +1,4 @@
-"""Unary calls as messages on long-lived gRPC streams (the `Calls` method; docs/protocol.md, "Streams").
+"""Unary calls as messages on long-lived gRPC streams (the `Calls` method; docs/architecture.md, "Streams").
 
 A unary call in Python gRPC sets up a call object, an HTTP/2 stream and a handler dispatch every time; a
 message on a stream that is already open costs far less (measured in docs/benchmarks.md). So a client keeps a
