@@ -607,12 +607,19 @@ def test_degraded_write_is_refused_once_the_shard_has_a_replacement(ctx):
 
 
 # -- recovery ------------------------------------------------------------------------------------------------
-def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_members_do_not_reflect(ctx):
+def replacement_with_rows(ctx: JobContext):
+    """A Net whose server Q was replaced and has its dense chunks and rows back (its parity records not yet),
+    a failure-free twin, and the replacement's store."""
     net, twin = Net(ctx), Net(ctx)
     net.kill(Q)
     rep = net.replace(Q)
     net.call(WORKER, Q, "copy_dense")
     net.call(WORKER, Q, "rebuild_rows", torch.arange(rep.num_rows))
+    return net, twin, rep
+
+
+def test_parity_rebuilt_while_a_commit_is_in_flight_replays_the_deltas_its_members_do_not_reflect(ctx):
+    net, twin, rep = replacement_with_rows(ctx)
     a, ga, grads_a = part_at(ctx, S, 40, step="a", seed=1)
     b, gb, grads_b = part_at(ctx, 1, 40, step="b", seed=2)
     seen = {}
@@ -663,11 +670,7 @@ def test_a_parity_rebuild_sent_twice_at_once_runs_once_and_loses_no_update(ctx):
     # A coordinator killed with a parity Recover in flight: its successor sends the same step while the first
     # is still running. The second must not install its own cut after a commit was applied on the first's:
     # the record would go back to a version its member has left, and every later delta would be held forever.
-    net, twin = Net(ctx), Net(ctx)
-    net.kill(Q)
-    rep = net.replace(Q)
-    net.call(WORKER, Q, "copy_dense")
-    net.call(WORKER, Q, "rebuild_rows", torch.arange(rep.num_rows))
+    net, twin, rep = replacement_with_rows(ctx)
     every = torch.arange(rep.parity.parity.shape[0])
     part, g, grads = part_at(ctx, S, 40)
     second: list[Background] = []

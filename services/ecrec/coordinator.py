@@ -761,11 +761,7 @@ class Coordinator:
                 self.ckpt.feed(
                     self.ckpt.cycle.report(req.rank, w.step, w.samples, w.done, req.paused, req.stopped)
                 )
-            if self.finished and self.progress.finished_at is None:
-                now = self.clock()
-                self.progress.sample(now)
-                self.progress.finished_at = now
-                self.progress.event("training_finished", now)
+            self._maybe_finish()
             return {"epoch": self.cluster.epoch, **self.control()}
 
     def control(self) -> dict:
@@ -814,6 +810,14 @@ class Coordinator:
                 self.progress.event("training_finished", now)
             return {"epoch": self.cluster.epoch}
 
+    def _maybe_finish(self) -> None:
+        """Training is over once every worker is done: the last sample of the series, the event (once)."""
+        if self.finished and self.progress.finished_at is None:
+            now = self.clock()
+            self.progress.sample(now)
+            self.progress.finished_at = now
+            self.progress.event("training_finished", now)
+
     def worker_finished(self, req: WorkerFinished) -> dict:
         """A worker process exited 0: it exits only once a coordinator acknowledged its last report (all its
         steps done). That coordinator may have died before its state was saved; the launcher, which sees the
@@ -830,11 +834,7 @@ class Coordinator:
             if self.ckpt is not None:
                 cycle = self.ckpt.cycle
                 self.ckpt.feed(cycle.report(req.rank, steps, samples, True, None, cycle.rollback))
-            if self.finished and self.progress.finished_at is None:
-                now = self.clock()
-                self.progress.sample(now)
-                self.progress.finished_at = now
-                self.progress.event("training_finished", now)
+            self._maybe_finish()
             return {"epoch": self.cluster.epoch}
 
     def add_event(self, ev: EventIn) -> dict:
