@@ -8,6 +8,8 @@ a server, and must end bit-identical to the undisturbed run with parity exact (I
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ecrec.coordinator import (
@@ -73,14 +75,38 @@ def test_a_process_the_seed_missed_rejoins_only_if_newer_and_only_once_the_liste
             new.rejoin(
                 2, "x", 3.3, instance=instance, incarnation=incarnation, recovered=False, confirmed_dead=True
             )
-    # A rebuilt replacement rejoins as up; a first process of a shard the seed has pending, too.
+    # A rebuilt replacement rejoins as up (the listed process gone); a first process of a shard the seed has
+    # pending, too.
+    new.rejoin(2, "e2", 3.4, instance="s2-3", incarnation=3, recovered=True, confirmed_dead=True)
     fresh = ClusterMap(num_servers=3, failure_timeout=2.0, recoverable=True, generation=3)
     fresh.restore(
         {"epoch": 5, "shards": [{"shard": 0, "state": "failed", "incarnation": 1, "instance": "s0-1"}]}, 0.0
     )
-    fresh.rejoin(0, "d0", 0.1, instance="s0-2", incarnation=2, recovered=True)
     fresh.rejoin(1, "d1", 0.1, instance="s1-1", incarnation=1, recovered=False)
-    assert [s.state for s in fresh.shards] == [ShardState.UP, ShardState.UP, ShardState.PENDING]
+    assert [s.state for s in new.shards + fresh.shards][2:] == [
+        ShardState.UP,
+        ShardState.FAILED,
+        ShardState.UP,
+        ShardState.PENDING,
+    ]
+    # A replacement of a shard this map has failed is refused, rebuilt or not: acting homes may have taken
+    # degraded writes of its rows since it rebuilt them (the recovered_dense flake); a new one rebuilds it.
+    epoch = fresh.epoch
+    for recovered in (False, True):
+        with pytest.raises(Refused, match="failed in this map"):
+            fresh.rejoin(
+                0, "d0", 0.2, instance="s0-2", incarnation=2, recovered=recovered, confirmed_dead=True
+            )
+    assert fresh.shards[0].state is ShardState.FAILED and fresh.epoch == epoch
+    fresh.register(0, "f0", 0.3, instance="s0-3", replacement=True)
+    assert fresh.shards[0].state is ShardState.RECOVERING
+    # Strategies that rebuild nothing (checkpoints) load their state themselves: their replacements rejoin.
+    ckpt = ClusterMap(num_servers=1, failure_timeout=2.0, recoverable=False, generation=2)
+    ckpt.restore(
+        {"epoch": 5, "shards": [{"shard": 0, "state": "failed", "incarnation": 1, "instance": "s0-1"}]}, 0.0
+    )
+    ckpt.rejoin(0, "d0", 0.1, instance="s0-2", incarnation=2, recovered=False)
+    assert ckpt.shards[0].state is ShardState.UP
     # A coordinator that never replaced another admits nobody this way.
     with pytest.raises(Refused):
         started_map().rejoin(0, "z", 5.0, instance="s0-9", incarnation=9, recovered=True, confirmed_dead=True)
@@ -146,22 +172,56 @@ def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_r
         old.register_worker(RegisterWorker(rank=0, instance="w0-3", incarnation=3, rejoin=True))
 
 
-def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_rejoins():
-    # The rebuild starts at registration and can be done before the launcher saves another seed: the
-    # successor knows the shard only as failed, with an open record, and learns from the rejoin that it is
-    # whole again. That record must complete (`ecrec local` waits for every record to).
+def test_a_replacement_of_a_shard_the_seed_has_failed_is_refused_and_a_new_one_rebuilds_it():
+    # The replacement registered, and the rebuild started, after the last seed: the successor knows the shard
+    # only as failed, publishes it so, and acting homes take degraded writes of its rows again. Whatever the
+    # replacement rebuilt before (all of it, even) can be stale: it is refused, and exits; a new replacement
+    # registers and the open record resumes with it.
     job, clock, alive, old = started_job()
     alive.discard("s2-1")
     old.report_failure(FailureReport(shard=2))
     seed = old.status()["resume"]
     assert [r["state"] for r in old.status()["recoveries"]] == ["detected"]
+    old.register_server(RegisterServer(shard=2, address="b2", instance="s2-2", replacement=True))
+
+    clock.t += 3
+    new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
+    for recovered in (False, True):
+        beat = Heartbeat(
+            shard=2, address="b2", instance="s2-2", incarnation=2, recovered=recovered, rowsRecovered=860
+        )
+        assert not new.heartbeat(beat)["ok"]
+    st = new.status()
+    assert st["cluster"]["shards"][2]["state"] == "failed" and st["phase"] == "Degraded"
+    assert [r["state"] for r in st["recoveries"]] == ["interrupted"]
+    new.register_server(RegisterServer(shard=2, address="c2", instance="s2-3", replacement=True))
+    st = new.status()
+    assert [r["state"] for r in st["recoveries"]] == ["waiting"]
+    assert st["events"][-1]["kind"] == "replacement_registered"
+    assert (
+        st["cluster"]["shards"][2]["state"] == "recovering" and st["cluster"]["shards"][2]["incarnation"] == 2
+    )
+    new._stop.set()
+
+
+def test_a_replacement_rebuilt_after_the_last_seed_completes_its_record_when_it_rejoins():
+    # The seed lists a replacement (s2-2) under recovery; it died, and a second one (s2-3) registered and was
+    # rebuilt before the launcher saved another seed: the successor learns from the rejoin (once its probe
+    # finds s2-2 gone) that the shard is whole again. The open record must complete (`ecrec local` waits for
+    # every record to).
+    job, clock, alive, old = started_job()
+    alive.discard("s2-1")
+    old.report_failure(FailureReport(shard=2))
+    old.register_server(RegisterServer(shard=2, address="b2", instance="s2-2", replacement=True))
+    seed = old.status()["resume"]
+    assert seed["shards"][2]["state"] == "recovering"
 
     for recovered, state, phase in ((False, "interrupted", "Recovering"), (True, "completed", "Running")):
         clock.t += 3
         new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
         labels = dict(new.metrics.labels)
         beat = Heartbeat(
-            shard=2, address="b2", instance="s2-2", incarnation=2, recovered=recovered, rowsRecovered=860
+            shard=2, address="c2", instance="s2-3", incarnation=3, recovered=recovered, rowsRecovered=860
         )
         assert new.heartbeat(beat)["ok"]
         st = new.status()
@@ -256,6 +316,41 @@ def test_coordinator_killed_at_each_step_of_a_recovery_and_the_recovery_resumes(
     assert len(restored(report)) == 1
     (rec,) = report["recoveries"]
     assert rec["shard"] == 2 and rec["rows_recovered"] > 0 and rec["completed_at"] is not None
+    assert_consistent(report)
+    assert report["params_sha256"] == baseline
+
+
+@slow
+def test_coordinator_killed_with_a_seed_older_than_the_replacement_rebuilds_the_shard_anew(
+    tmp_path, baseline
+):
+    # The launcher's last seed has shard 2 failed: the replacement registered, and its dense state was copied,
+    # after it (the window of a launcher's pass). The successor publishes shard 2 failed; acting homes take
+    # degraded writes of its rows while the replacement holds what it rebuilt. Its rejoin is refused, it exits,
+    # and a new replacement rebuilds the shard.
+    # Heartbeats 2 s apart: the replacement rejoins up to 2 s after the successor starts, time for the worker
+    # to write shard 2's rows degraded (without the refusal, runs ended with parity mismatches).
+    ctx = det_ctx(
+        "kill-coord-stale",
+        faultTolerance__ecrec__lockGroupRows=64,
+        coordinator__heartbeatIntervalSeconds=2.0,
+        coordinator__failureTimeoutSeconds=6.0,
+    )
+    report = run_local(
+        ctx,
+        tmp_path,
+        progress=False,
+        kills=[(2, 1.0)],
+        fault="coordinator:coordinator:recovered_dense",
+        hold_seed=lambda seed: seed["shards"][2]["state"] == "failed",
+    )
+    assert report["fault"]["fired"] and len(restored(report)) == 1
+    successor = json.loads((tmp_path / "coordinator-2.resume.json").read_text())
+    assert successor["shards"][2]["state"] == "failed"
+    # The killed server's replacement, the coordinator's, and the one that took over from the refused one.
+    assert report["replacements"] == 3
+    (rec,) = report["recoveries"]
+    assert rec["shard"] == 2 and rec["completed_at"] is not None
     assert_consistent(report)
     assert report["params_sha256"] == baseline
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,7 +357,13 @@ class Supervisor:
     reconciler shared with the operator (ecrec.core.reconcile) decides — replacements under the same shard id
     or rank, failure reports, recoveries — with processes instead of pods."""
 
-    def __init__(self, kills: list[tuple[int | str, float | str]] = (), chaos: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        kills: list[tuple[int | str, float | str]] = (),
+        chaos: int = 0,
+        seed: int = 0,
+        hold_seed: Callable[[dict], bool] | None = None,
+    ):
         import random
 
         self.kills = list(kills)
@@ -365,13 +372,17 @@ class Supervisor:
         self.next_chaos: tuple[int, float] | None = None
         self.respawns = 0
         self.resume: dict | None = None  # the coordinator's state as of its last status: a successor's seed
+        self.hold_seed = (
+            hold_seed  # tests: keep a seed it returns True for, as if every later pass had missed
+        )
         self.events: list[dict] = []  # events for the coordinator, not yet delivered
         self.started_at: float | None = None
 
     def tick(self, cluster: LocalCluster, status: dict | None) -> None:
         """One pass; `status` is None while no coordinator answers."""
         if status is not None:
-            self.resume = status.get("resume") or self.resume
+            if self.resume is None or self.hold_seed is None or not self.hold_seed(self.resume):
+                self.resume = status.get("resume") or self.resume
             self.started_at = status.get("startedAt")
             if self.started_at is not None and status["phase"] not in ("Succeeded", "Failed"):
                 self._kill_due(cluster, status)
@@ -498,12 +509,16 @@ def run_local(
     on_tick=None,
     rebuild_error: bool = False,
     env: dict[str, str] | None = None,
+    hold_seed: Callable[[dict], bool] | None = None,
 ) -> dict:
     """Run the job to completion and return the report. Raises JobFailed (after cleaning up) on failure.
 
     `fault` is an ECREC_FAULT_POINT spec (see ecrec.faults) fired once in this job. `rebuild_error` (needs
     deterministic training) logs every record the servers decode, runs the job again without faults and adds
-    how far the decoded records were from that run's (ecrec.rebuild_error). `env` goes to the children."""
+    how far the decoded records were from that run's (ecrec.rebuild_error). `env` goes to the children.
+    `hold_seed` (tests): once the coordinator's saved state satisfies it, a successor coordinator starts from
+    that state however much later its predecessor dies (the seed a launcher saved just before it missed
+    the last few changes)."""
     from ecrec import rebuild_error as rebuild
     from ecrec.client import PSClient, evaluate
     from ecrec.worker import data_source
@@ -524,7 +539,7 @@ def run_local(
         cluster.env.update({"ECREC_FAULT_POINT": fault, "ECREC_FAULT_ONCE": str(fired)})
     spec = ctx.spec
     total = spec.training.steps * spec.workers.replicas * spec.training.batch_size
-    supervisor = Supervisor(kills, chaos, seed)
+    supervisor = Supervisor(kills, chaos, seed, hold_seed)
 
     def tick(cl: LocalCluster, status: dict | None) -> None:
         supervisor.tick(cl, status)

@@ -227,8 +227,9 @@ class ClusterMap:
     ) -> list[Transition]:
         """A process that registered with an earlier generation and that this map's seed does not list (it
         registered after the seed was written) heartbeats: admit it as that registration would have been
-        admitted. Only in a restored map, only a newer incarnation than the one listed, and, while the
-        listed process is up or recovering, only once a probe shows it gone (ProbeFirst)."""
+        admitted. Only in a restored map, only a newer incarnation than the one listed, never (with a
+        recoverable strategy) while the map has the shard failed, and, while the listed process is up or
+        recovering, only once a probe shows it gone (ProbeFirst)."""
         info = self._check_shard(shard)
         if not self.restored:
             raise Refused(f"instance {instance} is not registered for shard {shard}")
@@ -238,6 +239,14 @@ class ClusterMap:
             raise Refused(
                 f"instance {instance} (incarnation {incarnation}) of shard {shard} is not newer than "
                 f"incarnation {info.incarnation}"
+            )
+        if self.recoverable and info.state is ShardState.FAILED:
+            # This map has published the shard failed: acting homes may have committed degraded writes of its
+            # rows since the process rebuilt them (under the dead coordinator), and parity servers skipped its
+            # deltas. Nothing it holds can be trusted; a new replacement rebuilds the shard from scratch.
+            raise Refused(
+                f"instance {instance} cannot rejoin shard {shard}: the shard is failed in this map, and what "
+                "the process rebuilt before may have missed degraded writes; a new replacement rebuilds it"
             )
         transitions: list[Transition] = []
         if info.state in (ShardState.UP, ShardState.RECOVERING):
