@@ -640,7 +640,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             raise InvalidRequest("checkpoint: ids start at 1")
         ctx = self.store.ctx
         if request.hot:  # cpr: the hot rows, exact, while training goes on
-            if self.store.hot is None:
+            if self.store.snapshots.hot is None:
                 raise WrongState("hot-row saves need faultTolerance.strategy cpr with cpr.hotRows mfu or ssu")
             t = self.store.hot_tensors()
             entry = write_shard(store.root, request.checkpoint, self.store.shard, t)

@@ -26,7 +26,7 @@ import torch
 from ecrec.core.acting import ActingHome
 from ecrec.core.codes import make_code
 from ecrec.core.dense import DenseReplicas
-from ecrec.core.hotrows import make_tracker
+from ecrec.core.snapshots import ShardSnapshots
 from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
 from ecrec.core.update import step_of, txn_age
@@ -53,7 +53,6 @@ YOUNGER_WAIT = 0.02
 # would wait answers Busy at once, so that waiting requests, however many arrive, hold a bounded share of the
 # server's threads and the rest keep answering.
 MAX_WAITING = 16
-MAX_BASELINE_MASKS = 4  # checknrun: baselines whose updated rows a server tracks (uncommitted ones included)
 
 
 @dataclass(frozen=True)
@@ -180,15 +179,15 @@ class ShardStore:
         )
         self.tap = Tap.from_env(shard, self.rows)  # None unless `ecrec local --rebuild-error` asked for it
         self.row_ready = torch.full((self.num_rows,), not replacement, dtype=torch.bool)
-        # checknrun: by baseline checkpoint id, the rows updated since its copy (what an increment over it
-        # holds). A baseline copied here may never be committed, so the previous one's mask is kept until an
-        # increment names a newer base.
-        self.modified_since: dict[int, torch.Tensor] = {}
-        # cpr with hotRows: which rows the next hot-row save holds (ecrec.core.hotrows)
+        # checkpoint strategies: checknrun's rows updated since each baseline, cpr's hot rows
         cpr = ctx.spec.fault_tolerance.cpr
-        self.hot = None
-        if ctx.spec.fault_tolerance.strategy == "cpr":
-            self.hot = make_tracker(cpr.hot_rows, self.num_rows, cpr.hot_row_fraction, cpr.ssu_period, shard)
+        self.snapshots = ShardSnapshots(
+            shard,
+            self.num_rows,
+            hot_rows=cpr.hot_rows if ctx.spec.fault_tolerance.strategy == "cpr" else "none",
+            hot_fraction=cpr.hot_row_fraction,
+            ssu_period=cpr.ssu_period,
+        )
         # -- parity records -----------------------------------------------------------------------------
         n_par = p.parity_rows_on(shard) if p.r else 0
         parity = torch.zeros(n_par, ctx.record_width)
@@ -346,8 +345,7 @@ class ShardStore:
         local = self.local_rows(g)
         self.ensure_rows(local)
         with self.lock:
-            if self.hot is not None:
-                self.hot.access(local)
+            self.snapshots.read(local)
             return self.rows.records[local, : self.dim]
 
     def pull_dense(self, chunk: int) -> torch.Tensor:
@@ -599,40 +597,17 @@ class ShardStore:
     # ---------------------------------------------------------------------------------------------------
     # checkpoints (strategies checkpoint, checknrun, cpr: docs/protocol.md, "Checkpoint strategies")
     def checkpoint_tensors(self, checkpoint: int = 0, base: int | None = None) -> dict[str, torch.Tensor]:
-        """A copy of this shard's state: its row records and versions, its dense chunks. Workers are paused
-        for a checkpoint, so nothing is in flight and the copy is a consistent cut. With `base` (checknrun's
-        increments): only the rows updated since baseline `base` was copied, and their local `index`; a
-        baseline `checkpoint` starts tracking the rows updated after it."""
+        """A copy of this shard's state (ecrec.core.snapshots): workers are paused for a checkpoint, so
+        nothing is in flight and the copy is a consistent cut."""
         with self.lock:
-            if base is None:
-                out = {"rows": self.rows.records.clone(), "versions": self.rows.versions.clone()}
-                if checkpoint:
-                    self.modified_since[checkpoint] = torch.zeros(self.num_rows, dtype=torch.bool)
-                    for old in sorted(self.modified_since)[:-MAX_BASELINE_MASKS]:
-                        del self.modified_since[old]  # bounded: a base that old would be a lost cause
-            else:
-                if base not in self.modified_since:
-                    raise InvalidRequest(f"base: baseline checkpoint {base} was not copied on this server")
-                for old in [c for c in self.modified_since if c < base]:
-                    del self.modified_since[old]
-                index = self.modified_since[base].nonzero().squeeze(1)
-                out = {
-                    "index": index,
-                    "rows": self.rows.records[index],
-                    "versions": self.rows.versions[index],
-                }
-            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.records.items()}
-        return out
+            return self.snapshots.copy(
+                self.rows.records, self.rows.versions, self.dense.records, checkpoint, base
+            )
 
     def hot_tensors(self) -> dict[str, torch.Tensor]:
-        """cpr: a copy of the hot rows (at most hotRowFraction of them, the tracker's pick) and every dense
-        chunk, taken while training goes on: CPR does not need a consistent cut."""
-        k = max(1, int(self.num_rows * self.ctx.spec.fault_tolerance.cpr.hot_row_fraction))
+        """cpr: a copy of the hot rows and every dense chunk, taken while training goes on."""
         with self.lock:
-            index = self.hot.take(k) if self.hot is not None else torch.zeros(0, dtype=torch.int64)
-            out = {"index": index, "rows": self.rows.records[index], "versions": self.rows.versions[index]}
-            out |= {f"dense.{c}": recs.clone() for c, recs in self.dense.records.items()}
-        return out
+            return self.snapshots.hot_copy(self.rows.records, self.rows.versions, self.dense.records)
 
     def _initial_tensors(self) -> dict[str, torch.Tensor]:
         """The state the job starts from (a pure function of the seed), for a restore with no checkpoint yet."""
@@ -658,31 +633,16 @@ class ShardStore:
         """Replace this shard's whole state with a checkpoint's (None: the initial state), then apply the rows
         (and dense chunks) of `increments` in order: checknrun's increment, cpr's hot-row saves. Returns the
         data rows loaded. A checkpoint of another shape is refused and changes nothing."""
-        t = self._initial_tensors() if tensors is None else dict(tensors)
-        modified = torch.zeros(self.num_rows, dtype=torch.bool)
-        if increments:
-            t["rows"], t["versions"] = t["rows"].clone(), t["versions"].clone()
-        for increment in increments:
-            index = increment["index"]
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
-                raise InvalidRequest(f"checkpoint of shard {self.shard}: increment rows outside the table")
-            t["rows"][index], t["versions"][index] = increment["rows"], increment["versions"]
-            t |= {k: v for k, v in increment.items() if k.startswith("dense.")}
-            modified[index] = True
         expect = {"rows": (self.num_rows, self.ctx.record_width), "versions": (self.num_rows,)}
         expect |= {f"dense.{c}": tuple(recs.shape) for c, recs in self.dense.records.items()}
-        for key, shape in expect.items():
-            if key not in t or tuple(t[key].shape) != shape:
-                got = tuple(t[key].shape) if key in t else "missing"
-                raise InvalidRequest(f"checkpoint of shard {self.shard}: {key} is {got}, expected {shape}")
+        t = self.snapshots.merge(self._initial_tensors() if tensors is None else tensors, increments, expect)
         with self.lock:
             self.rows.records.copy_(t["rows"])
             self.rows.versions.copy_(t["versions"])
             for c in self.dense.records:
                 self.dense.install(c, t[f"dense.{c}"].clone())
             self.row_ready.fill_(True)
-            # The next increment over `base` holds what differs from that baseline.
-            self.modified_since = {base: modified} if base is not None else {}
+            self.snapshots.loaded(base, t["modified"])
             self.replacement = False
             self.outcomes.clear()
             self.cond.notify_all()
@@ -700,8 +660,7 @@ class ShardStore:
             part = self.rows.stage(txn, local, grads, self.clock())
             self.rows.commit(txn)  # applied at once; rows stay locked until the parity has the delta
             self.rows.locks.lock(txn, local)
-            for mask in self.modified_since.values():
-                mask[local] = True
+            self.snapshots.written(local)
         try:
             self._send_deltas(part.batches, immediate=True)
         finally:
