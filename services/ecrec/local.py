@@ -372,9 +372,8 @@ class Supervisor:
         self.next_chaos: tuple[int, float] | None = None
         self.respawns = 0
         self.resume: dict | None = None  # the coordinator's state as of its last status: a successor's seed
-        self.hold_seed = (
-            hold_seed  # tests: keep a seed it returns True for, as if every later pass had missed
-        )
+        # tests: a seed it returns True for is kept, as if every later pass had missed the status
+        self.hold_seed = hold_seed
         self.events: list[dict] = []  # events for the coordinator, not yet delivered
         self.started_at: float | None = None
 

@@ -89,7 +89,7 @@ class ShardSnapshots:
     # -- loading ------------------------------------------------------------------------------------------
     def merge(self, tensors: Tensors, increments: tuple[Tensors, ...], expect: dict[str, tuple]) -> Tensors:
         """A checkpoint with `increments` applied in order (their rows, and dense chunks), checked against the
-        shapes `expect`s; raises InvalidRequest (and changes nothing) for another shape. The rows the
+        shapes in `expect`; raises InvalidRequest (and changes nothing) for another shape. The rows the
         increments hold are `modified` in the answer: what differs from the checkpoint they apply to."""
         t = dict(tensors)
         modified = torch.zeros(self.num_rows, dtype=torch.bool)
