@@ -804,17 +804,15 @@ class Coordinator:
             self.progress.event("worker_lost", self.clock(), worker=req.rank, step=w.step, **detail)
             if self.ckpt is not None:
                 self.ckpt.feed(self.ckpt.cycle.worker_lost(req.rank))
-            if self.finished and self.progress.finished_at is None:
-                now = self.clock()
-                self.progress.finished_at = now
-                self.progress.event("training_finished", now)
+            self._maybe_finish(sample=False)  # a lost worker brings no new sample count
             return {"epoch": self.cluster.epoch}
 
-    def _maybe_finish(self) -> None:
+    def _maybe_finish(self, sample: bool = True) -> None:
         """Training is over once every worker is done: the last sample of the series, the event (once)."""
         if self.finished and self.progress.finished_at is None:
             now = self.clock()
-            self.progress.sample(now)
+            if sample:
+                self.progress.sample(now)
             self.progress.finished_at = now
             self.progress.event("training_finished", now)
 
