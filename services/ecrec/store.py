@@ -30,6 +30,7 @@ from ecrec.core.snapshots import ShardSnapshots
 from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
 from ecrec.core.update import step_of, txn_age
+from ecrec.core.vec import all_unique, in_range
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
 from ecrec.model import init_dense, init_embedding_rows
@@ -255,12 +256,12 @@ class ShardStore:
         p, src = self.placement, self.shard if src is None else src
         if g.numel() == 0:
             return g
-        if bool((g < 0).any()) or bool((g >= p.num_rows).any()):
+        if not in_range(g, p.num_rows):
             raise InvalidRequest(f"ids: global row ids must be in [0, {p.num_rows})")
         if bool((p.data_shard(g) != src).any()):
             raise InvalidRequest(f"ids: some rows are not owned by shard {src}")
         local = p.local_row(g)
-        if local.unique().numel() != local.numel():
+        if not all_unique(local):
             raise InvalidRequest("ids: row ids in one request must be unique (sum duplicate gradients first)")
         return local
 
@@ -346,7 +347,7 @@ class ShardStore:
         self.ensure_rows(local)
         with self.lock:
             self.snapshots.read(local)
-            return self.rows.records[local, : self.dim]
+            return self.rows.records[:, : self.dim].index_select(0, local)
 
     def pull_dense(self, chunk: int) -> torch.Tensor:
         self._chunk(chunk)

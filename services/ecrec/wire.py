@@ -11,6 +11,8 @@ import warnings
 
 import torch
 
+from ecrec.core.vec import all_finite
+
 # torch.frombuffer warns that bytes are not writable; we never write through these views.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
@@ -48,5 +50,5 @@ def bytes_to_floats(buf: bytes, rows: int, width: int, what: str = "values") -> 
 
 
 def check_finite(x: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise InvalidRequest(f"{what}: contains NaN or Inf")

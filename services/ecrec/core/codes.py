@@ -74,7 +74,7 @@ class XorCode(Code):
     def apply_delta_(self, parity_table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> None:
         # Gather and scatter on the int32 view so NaN payloads are moved as bits, never as floats.
         bits = parity_table.view(torch.int32)
-        bits[index] = bits[index] ^ self._bits(delta)
+        bits.index_copy_(0, index, bits.index_select(0, index) ^ self._bits(delta))
 
 
 class SumCode(Code):

@@ -23,6 +23,7 @@ import torch
 from ecrec.core.codes import Code
 from ecrec.core.optim import RowOptimizer
 from ecrec.core.placement import Placement
+from ecrec.core.vec import all_unique
 
 
 class RowsBusy(Exception):
@@ -58,7 +59,7 @@ class RowLocks:
         self._next = 0
 
     def busy(self, rows: torch.Tensor, txn: str | None = None) -> bool:
-        owners = self.owner[rows]
+        owners = self.owner.index_select(0, rows)
         mine = self._ids.get(txn, -2) if txn is not None else -2
         return bool(((owners != self.FREE) & (owners != mine)).any())
 
@@ -75,13 +76,13 @@ class RowLocks:
             self._rows[txn] = rows.clone()
         else:
             self._rows[txn] = torch.cat([self._rows[txn], rows])
-        self.owner[rows] = self._ids[txn]
+        self.owner.index_fill_(0, rows, self._ids[txn])
 
     def unlock(self, txn: str) -> torch.Tensor:
         rows = self._rows.pop(txn, None)
         if rows is None:
             return torch.empty(0, dtype=torch.int64)
-        self.owner[rows] = self.FREE
+        self.owner.index_fill_(0, rows, self.FREE)
         del self._ids[txn]
         return rows
 
@@ -122,9 +123,10 @@ class DataParticipant:
         if txn in self.staged:
             return self.staged[txn]  # a retried stage is answered with the same result
         self.locks.lock(txn, rows)
-        old = self.records[rows]
+        old = self.records.index_select(0, rows)
         new = self.optimizer.apply(old, grads)
-        batches = self.delta_batches(txn, rows, self.code.delta(old, new), self.versions[rows] + 1)
+        version = self.versions.index_select(0, rows) + 1
+        batches = self.delta_batches(txn, rows, self.code.delta(old, new), version)
         part = StagedPart(txn, rows, new, batches, now, tuple(b.parity_server for b in batches))
         self.staged[txn] = part
         return part
@@ -141,7 +143,7 @@ class DataParticipant:
         index = torch.div(rows, p.k, rounding_mode="floor")
         order = torch.argsort(slot, stable=True)
         sizes = torch.bincount(slot, minlength=p.k).tolist()
-        fields = [t[order].split(sizes) for t in (index, slot, delta, version)]
+        fields = [t.index_select(0, order).split(sizes) for t in (index, slot, delta, version)]
         for j in range(p.r):
             servers = [
                 ((self.shard - i + p.k + j) % p.num_servers, i) for i, size in enumerate(sizes) if size
@@ -155,8 +157,8 @@ class DataParticipant:
         part = self.staged.pop(txn, None)
         if part is None:
             raise UnknownTxn(txn)
-        self.records[part.rows] = part.new
-        self.versions[part.rows] += 1
+        self.records.index_copy_(0, part.rows, part.new)
+        self.versions.index_add_(0, part.rows, torch.ones_like(part.rows))
         self.locks.unlock(txn)
         if self.on_commit is not None:
             self.on_commit(part.rows)
@@ -316,10 +318,10 @@ class ParityParticipant:
             version = torch.cat([b.version for b in batches])
             flat = self.pver.view(-1)
             # each member row once, each at its next version: then batch order does not matter
-            if bool((version - flat[key] == 1).all()) and torch.unique(key).numel() == key.numel():
+            if bool((version - flat.index_select(0, key) == 1).all()) and all_unique(key):
                 for b in batches:
                     self.code.apply_delta_(self.parity, b.index, b.delta)
-                flat[key] = version
+                flat.index_copy_(0, key, version)
                 for k in todo:
                     del self.staged[k]
                     self.staged_at.pop(k, None)
@@ -362,10 +364,10 @@ class ParityParticipant:
         of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
         flat = self.pver.view(-1)
         key = self._key(b)
-        step = b.version - flat[key]  # 1: next; > 1: ahead of a predecessor; < 1: reflected already
+        step = b.version - flat.index_select(0, key)  # 1: next; > 1: ahead of a predecessor; < 1: reflected
         if bool((step == 1).all()):  # the usual case, in one pass: no masks
             self.code.apply_delta_(self.parity, b.index, b.delta)
-            flat[key] = b.version
+            flat.index_copy_(0, key, b.version)
         else:
             now, ahead = step == 1, step > 1
             if bool(ahead.any()):
