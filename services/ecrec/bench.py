@@ -116,6 +116,32 @@ def _cycler(pool: list[torch.Tensor]):
     return pick
 
 
+def _process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of another process, from /proc; None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_per_call(fn, server_pid: int, seconds: float) -> tuple[float, float]:
+    """(this process's, the server's) CPU µs per call of `fn`, over about `seconds` of calls (NaN for the
+    server without /proc). The server's clock ticks in 1/CLK_TCK s (10 ms): the calls run long enough to
+    make many ticks."""
+    fn()
+    n, start = 0, time.perf_counter()
+    client0, server0 = time.process_time(), _process_cpu_s(server_pid)
+    while time.perf_counter() - start < max(seconds, 1.0):
+        fn()
+        n += 1
+    client, server = time.process_time() - client0, _process_cpu_s(server_pid)
+    if server is None or server0 is None:
+        return 1e6 * client / n, float("nan")
+    return 1e6 * client / n, 1e6 * (server - server0) / n
+
+
 def bench_server(
     rows: int, dim: int, optimizer: str, batches: list[int], seconds: float, out_dir: Path | None = None
 ) -> list[dict]:
@@ -170,6 +196,11 @@ def bench_server(
                 row = {"batch": b}
                 for transport, call in (("stream", streams.call), ("unary", unary)):
                     row[f"pull_{transport}"] = _rate(lambda call=call: grpc_pull(call), b, seconds)
+                # What one pull on the stream costs each side in CPU, not in time: on shared cores the CPU is
+                # what a call takes from everything else.
+                row["pull_client_cpu_us"], row["pull_server_cpu_us"] = _cpu_per_call(
+                    lambda: grpc_pull(streams.call), proc.pid, seconds
+                )
                 row["pull_inproc"] = _rate(lambda pick=pick: store.pull(pick()), b, seconds)
                 for transport, call in (("stream", streams.call), ("unary", unary)):
                     row[f"push_{transport}"] = _rate(lambda call=call: grpc_push(call), b, seconds)
@@ -201,6 +232,10 @@ def bench_server(
                 "{:.2f}",
             ),
         ]
+    columns += [
+        Column("pull client CPU µs / call", lambda r: _round(r["pull_client_cpu_us"]), "{:,}"),
+        Column("pull server CPU µs / call", lambda r: _round(r["pull_server_cpu_us"]), "{:,}"),
+    ]
     emit_table(title, columns, results, out_dir)
     return results
 

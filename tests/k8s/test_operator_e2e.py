@@ -109,6 +109,11 @@ def operator(kube, kubelet, ecrec_crd, tmp_path_factory):
     yield op
     op.stop()
     print(f"operator log: {op.log}")
+    # Pods still running when the module ends (a job whose pods the operator had not cleaned up yet, a failed
+    # test's) would run, heartbeating to a gone coordinator, until the session's kubelet stops: seen taking a
+    # fifth of a core for the rest of the suite. Deleted once the operator, which would replace them, is gone.
+    kube.kubectl("delete", "ecrecjobs", "--all", "-n", NS, "--wait=false", check=False)
+    kube.kubectl("delete", "pods", "--all", "-n", NS, "--wait=false", check=False)
 
 
 def job_manifest(name: str, **spec_overrides) -> str:
