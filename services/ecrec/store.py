@@ -375,7 +375,7 @@ class ShardStore:
         """Records with versions. PARITY reads for rebuilding shard `src` wait for its undecided deltas; DATA
         reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged."""
         if kind == "data":
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+            if not in_range(index, self.num_rows):
                 raise InvalidRequest("index: local rows out of range")
             with self.lock:
                 if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
@@ -384,7 +384,7 @@ class ShardStore:
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
                 return ReadResult(self.rows.records[index].clone(), self.rows.versions[index].clone())
         n_par = self.parity.parity.shape[0]
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= n_par):
+        if not in_range(index, n_par):
             raise InvalidRequest("index: parity indices out of range")
         with self.lock:
             if src >= 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ecrec.core.hotrows import make_tracker
+from ecrec.core.vec import in_range
 from ecrec.wire import InvalidRequest
 
 MAX_BASELINE_MASKS = 4  # checknrun: baselines whose updated rows a server tracks (uncommitted ones included)
@@ -97,7 +98,7 @@ class ShardSnapshots:
             t["rows"], t["versions"] = t["rows"].clone(), t["versions"].clone()
         for increment in increments:
             index = increment["index"]
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_rows):
+            if not in_range(index, self.num_rows):
                 raise InvalidRequest(f"checkpoint of shard {self.shard}: increment rows outside the table")
             t["rows"][index], t["versions"][index] = increment["rows"], increment["versions"]
             t |= {k: v for k, v in increment.items() if k.startswith("dense.")}
