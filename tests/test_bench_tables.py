@@ -178,3 +178,26 @@ def test_bench_recovery_rounds_alternate_the_order_and_take_medians(tmp_path, mo
     assert summary[0]["ratio per round"] == "0.50 / 0.70 / 0.90"
     assert summary[0]["training lost s (at normal throughput)"] == pytest.approx(0.6)
     assert "rounds=3 (medians)" in capsys.readouterr().out
+
+
+def test_recovery_timeline_bins_the_throughput_around_the_kill_and_lists_the_events():
+    from ecrec.bench import format_timeline, recovery_timeline
+
+    # 1000 samples/s; nothing from the kill (8.0) to 8.2; half rate to full recovery (8.6); then normal
+    series = [[0.0, 0], [8.0, 8000], [8.2, 8000], [8.6, 8200], [9.5, 9100]]
+    report = {
+        "recoveries": [{"killed_at": 8.0, "completed_at": 8.6}],
+        "samples_series": series,
+        "events": [
+            {"kind": "failure_detected", "t": 8.02},
+            {"kind": "recovery_started", "t": 8.25},
+            {"kind": "recovery_completed", "t": 8.6},
+            {"kind": "failure_detected", "t": 8.9},  # outside the window
+        ],
+    }
+    tl = recovery_timeline(report, before=0.2, after=0.2)
+    assert [t for t, _ in tl["bins"]] == pytest.approx([-0.2, -0.1, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7])
+    assert [r for _, r in tl["bins"]] == pytest.approx([1, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, 1, 1])
+    assert tl["events"] == {"failure_detected": 0.02, "recovery_started": 0.25, "recovery_completed": 0.6}
+    text = format_timeline(tl)
+    assert "+0.2:0.50" in text and "recovery_started +0.25" in text

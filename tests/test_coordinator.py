@@ -116,15 +116,22 @@ def test_throughput_series_from_progress():
     assert series[-1][0] == 2.5
 
 
-def test_samples_series_lists_the_total_where_it_changed():
-    now, coord, api = one_worker_training()
-    for i, samples in enumerate([500, 500, 1500, 1500, 1500, 2000], start=1):
-        now[0] = 100.0 + 0.5 * i
-        api.post("/v1/workers/progress", json={"rank": 0, "instance": "w0", "step": i, "samples": samples})
+def test_samples_series_puts_samples_where_their_steps_completed():
+    now, coord, api = one_worker_training()  # training started at 100.0
+    # Two steps of 250 samples completed at 100.12 and 100.37, reported at 100.5; none in the next report;
+    # then one at 101.43, reported at 101.5 without its time (an old worker): counted at the report.
+    reports = [(0.5, 2, 500, [100.12, 100.37]), (1.0, 2, 500, []), (1.5, 3, 750, [])]
+    for t, step, samples, times in reports:
+        now[0] = 100.0 + t
+        body = {"rank": 0, "instance": "w0", "step": step, "samples": samples, "stepTimes": times}
+        api.post("/v1/workers/progress", json=body)
         coord.tick()
     series = api.get("/v1/status").json()["samplesSeries"]
-    assert [n for _, n in series] == [0, 500, 1500, 2000]
-    assert [t for t, _ in series][1:] == [0.5, 1.5, 3.0]
+    assert series[0] == [0.0, 0] and series[-1][1] == 750
+    points = dict((round(t, 3), n) for t, n in series)
+    # the steps' 0.05 s bins, not the report's arrival: 250 by 0.15 s, 500 by 0.4 s, nothing more until 1.5 s
+    assert points[0.1] == 0 and points[0.15] == 250 and points[0.35] == 250 and points[0.4] == 500
+    assert points[1.5] == 500 and points[1.55] == 750
 
 
 def test_a_rollback_shows_as_no_progress_not_a_negative_throughput():

@@ -63,7 +63,7 @@ def test_killed_and_rebuilt_server_leaves_parameters_bit_identical(tmp_path, bas
 
 def test_a_warm_spare_takes_over_a_killed_server_and_a_new_spare_replaces_it(tmp_path, baseline):
     # servers.spares=1: the spare registered before training; the killed shard is assigned to it at once,
-    # it registers under the shard id and is rebuilt like any replacement, and a new spare is started. No
+    # it registers under the shard id and is rebuilt like any replacement, and then a new spare is started. No
     # process of the shard's own is started; the run still ends bit-identical to the one without failure.
     ctx = det_ctx("spare", servers__spares=1)
     report = run_local(ctx, tmp_path, progress=False, kills=[(2, "step:60")])

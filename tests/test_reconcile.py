@@ -242,18 +242,30 @@ def test_a_lost_server_is_left_to_an_idle_spare_and_the_spare_is_adopted_then_re
     # The launcher saw the death before the coordinator: it reports it, and creates nothing for shard 1.
     acts = reconcile(obs(procs, with_spares(status(), ("sp0", None)), num_spares=1))
     assert acts == [Action("report_failed", "server", 1)]
-    # Declared failed and assigned: still nothing; the assigned spare no longer counts as idle, so a new
-    # spare is started (a replacement: counted against the backoff limit).
+    # Declared failed and assigned: still nothing. The assigned spare no longer counts as idle, but no new
+    # spare starts while a shard is failed or recovering: a process start takes CPU the recovery needs.
     st = with_spares(status(shards={1: {"state": "failed"}}), ("sp0", 1))
-    acts = reconcile(obs(procs, st, num_spares=1))
-    assert acts == [Action("create", "spare", 1, 1, replacement=True)]
-    assert reconcile(obs(procs, st, num_spares=1, replacements=3, backoff_limit=3))[0].kind == "fail"
+    assert reconcile(obs(procs, st, num_spares=1)) == []
     # It registered as shard 1 (incarnation 2): adopted, and its recovery started like any replacement's.
     st = status(shards={1: {"state": "recovering", "incarnation": 2, "instance": "sp0"}})
-    acts = reconcile(
-        obs(procs + [Proc("spare", 1, 1, "running", "sp1")], with_spares(st, ("sp1", None)), num_spares=1)
-    )
+    acts = reconcile(obs(procs, with_spares(st, ("sp0", 1)), num_spares=1))
     assert acts == [Action("adopt", "server", 1, 2, instance="sp0"), Action("start_recovery", "server", 1)]
+    # Recovered: a new spare is started in its place (a replacement: counted against the backoff limit).
+    st = with_spares(status(shards={1: {"state": "up", "incarnation": 2, "instance": "sp0"}}), ("sp0", 1))
+    acts = reconcile(obs(procs, st, num_spares=1))
+    assert acts == [
+        Action("adopt", "server", 1, 2, instance="sp0"),
+        Action("create", "spare", 1, 1, replacement=True),
+    ]
+    assert reconcile(obs(procs, st, num_spares=1, replacements=3, backoff_limit=3))[-1].kind == "fail"
+    # As the launchers observe it once relabelled (a server that was spare 0): the new spare is still spare 1,
+    # never 0 again (a pod's name carries the index).
+    adopted = without(procs, "spare", 0) + [Proc("server", 1, 2, "running", "sp0", spare=0)]
+    assert reconcile(obs(adopted, st, num_spares=1)) == [Action("create", "spare", 1, 1, replacement=True)]
+    # Once it is there (registered or still starting), nothing more.
+    assert reconcile(
+        obs(procs + [Proc("spare", 1, 1, "running", "sp1")], with_spares(st, ("sp1", None)), num_spares=1)
+    ) == [Action("adopt", "server", 1, 2, instance="sp0")]
 
 
 def test_without_an_idle_spare_a_lost_server_gets_its_own_replacement():
@@ -263,11 +275,15 @@ def test_without_an_idle_spare_a_lost_server_gets_its_own_replacement():
     # One spare for two lost shards: shard 1 waits for it, shard 2 gets a process of its own.
     assert Action("create", "server", 2, 2, replacement=True) in acts
     assert not [a for a in acts if a.kind == "create" and a.role == "server" and a.index == 1]
-    # A dead spare is no spare: both get their own, and a new spare is started.
+    # A dead spare is no spare: both get their own; a new spare waits until they are rebuilt.
     dead = [p for p in procs if p.role != "spare"] + [Proc("spare", 0, 1, "failed", "sp0", 137)]
     acts = reconcile(obs(dead, st, num_spares=1))
-    assert {(a.role, a.index) for a in acts if a.kind == "create"} == {
-        ("server", 1),
-        ("server", 2),
-        ("spare", 1),
-    }
+    assert {(a.role, a.index) for a in acts if a.kind == "create"} == {("server", 1), ("server", 2)}
+    up = status(shards={1: {"incarnation": 2}, 2: {"incarnation": 2}})
+    rebuilt = [p for p in running() if p.role != "server" or p.index not in (1, 2)] + [
+        Proc("server", 1, 2, "running"),
+        Proc("server", 2, 2, "running"),
+        Proc("spare", 0, 1, "failed", "sp0", 137),
+    ]
+    acts = reconcile(obs(rebuilt, up, num_spares=1, replacements=2))
+    assert [(a.kind, a.role, a.index) for a in acts] == [("create", "spare", 1)]

@@ -36,6 +36,7 @@ from ecrec.podlabels import (
     LABEL_ROLE,
     LABEL_SHARD,  # noqa: F401 (the handlers read it as render.LABEL_SHARD)
     pod_identity,
+    spare_index,
 )
 from ecrec.spec import Job, JobSpec, ServersSpec
 
@@ -486,4 +487,5 @@ def observe_pod(pod_obj: dict) -> Proc | None:
         state = "running"
     else:
         state = "pending"
-    return Proc(role, index, incarnation, state, meta.get("name", ""), exit_code)
+    spare = spare_index(meta.get("labels"))
+    return Proc(role, index, incarnation, state, meta.get("name", ""), exit_code, spare=spare)

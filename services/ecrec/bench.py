@@ -462,6 +462,30 @@ def recovery_run(report: dict) -> dict:
     }
 
 
+def recovery_timeline(report: dict, step: float = 0.1, before: float = 0.3, after: float = 0.3) -> dict:
+    """Where a recovery's cost falls: throughput / normal in `step`-second bins from `before` seconds before
+    the kill to `after` seconds after full recovery, and the first event of each kind in that window, both in
+    seconds after the kill."""
+    (rec,) = report["recoveries"]
+    kill, end = rec["killed_at"], rec["completed_at"] + after
+    normal = samples_rate(report, 2.0, kill)
+    bins, t = [], kill - before
+    while t < end - 1e-9:
+        bins.append([round(t - kill, 3), round(samples_rate(report, t, t + step) / normal, 2)])
+        t += step
+    events: dict[str, float] = {}
+    for e in report["events"]:
+        if kill - before <= e["t"] <= end:
+            events.setdefault(e["kind"], round(e["t"] - kill, 3))
+    return {"bins": bins, "events": events}
+
+
+def format_timeline(timeline: dict) -> str:
+    bins = " ".join(f"{t:+.1f}:{r:.2f}" for t, r in timeline["bins"])
+    events = ", ".join(f"{kind} {t:+.2f}" for kind, t in timeline["events"].items())
+    return f"    throughput / normal by 0.1 s after the kill: {bins}\n    events (s after the kill): {events}"
+
+
 def load_job_with(path: str, overrides: list[str]):
     from ecrec.spec import load_job
 
@@ -477,11 +501,12 @@ def bench_recovery(
     sets: list[str],
     out_dir: Path,
     rounds: int = 1,
+    timeline: bool = False,
 ) -> list[dict]:
     """Server 2 SIGKILLed `kill_at` seconds into training, for every (scale, lock group rows); with several
     rounds every configuration runs once per round, in alternating order, and each row gives medians over
     the rounds and lists each round's throughput ratio (a recovery lasts one or two seconds: one run says
-    little about the throughput through it)."""
+    little about the throughput through it). `timeline`: each run also prints `recovery_timeline`."""
     configs = [(scale, group) for scale in scales for group in groups]
     runs: dict[tuple[int, int], list[dict]] = {c: [] for c in configs}
     model_rows: dict[tuple[int, int], int] = {}
@@ -509,6 +534,8 @@ def bench_recovery(
             f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}",
             flush=True,
         )
+        if timeline:
+            print(format_timeline(recovery_timeline(report)), flush=True)
     rows = []
     for (scale, group), rs in runs.items():
         rows.append(

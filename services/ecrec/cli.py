@@ -261,6 +261,7 @@ def cmd_bench_recovery(args) -> int:
         args.set or [],
         Path(args.out),
         rounds=args.rounds,
+        timeline=args.timeline,
     )
     return 0
 
@@ -513,6 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every configuration this many times, in alternating order; report medians and each round's ratio",
     )
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also print each run's throughput / normal by 0.1 s around the kill, and the recovery's events",
+    )
     p.add_argument("--out", default="out/bench-recovery")
     p.set_defaults(fn=cmd_bench_recovery)
 

@@ -35,6 +35,7 @@ from ecrec.core.cluster import ClusterMap, ProbeFirst, Refused, ShardState, Tran
 from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import MAX_STEP_TIMES, RecoveryRecord, plan_recovery
 from ecrec.core.spares import SparePool
+from ecrec.core.timeline import SamplesTimeline
 from ecrec.faults import configure as configure_faults
 from ecrec.faults import fault_point
 from ecrec.ft.driver import CheckpointDriver
@@ -185,6 +186,8 @@ class JobProgress:
     started_at: float | None = None
     finished_at: float | None = None
     samples_log: list[tuple[float, int]] = field(default_factory=list)  # (wall time, total samples)
+    # the same total by when its steps completed (the reports' step times), for samples_series
+    timeline: SamplesTimeline = field(default_factory=SamplesTimeline)
     events: list[dict] = field(default_factory=list)
 
     @property
@@ -207,6 +210,7 @@ class JobProgress:
     def sample(self, now: float) -> None:
         if self.started_at is not None and self.finished_at is None:
             self.samples_log.append((now, self.total_samples))
+            self.timeline.update(self.total_samples, now)  # changes without step times: a rollback, a rejoin
 
     def series(self, window: float = 1.0) -> list[list[float]]:
         """[seconds since start, samples/s over the trailing `window`] for every logged sample. A rollback
@@ -222,14 +226,10 @@ class JobProgress:
         return out
 
     def samples_series(self) -> list[list[float]]:
-        """[seconds since start, total samples] where the total changed: where rates over an arbitrary
-        window are computed from (a benchmark's kill-to-recovery window is shorter than `series`' trailing
-        one, which would blur it)."""
-        out: list[list[float]] = []
-        for t, n in self.samples_log:
-            if not out or n != out[-1][1]:
-                out.append([self.rel(t), n])
-        return out
+        """[seconds since start, total samples], linear in between, by when the steps completed (to 0.05 s,
+        `SamplesTimeline`): where rates over an arbitrary window are computed from (a benchmark's
+        kill-to-recovery window is shorter than `series`' trailing one, and than the reports' interval)."""
+        return [[self.rel(t), round(n, 1)] for t, n in self.timeline.series()]
 
     def recent_rate(self, window: float = 2.0) -> float:
         s = self.series(window)
@@ -329,6 +329,7 @@ class Coordinator:
         p.events = [dict(e) for e in seed.get("events", [])][-MAX_SEEDED_EVENTS:]
         if p.started_at is not None:
             p.samples_log.append((now, p.total_samples))
+            p.timeline.start(now, p.total_samples)
         p.event("coordinator_restored", now, generation=self.generation, epoch=self.cluster.epoch)
         self._apply([])
 
@@ -695,6 +696,7 @@ class Coordinator:
             now = self.clock()
             p.started_at = now
             p.samples_log.append((now, 0))
+            p.timeline.start(now)
             p.event("training_started", now)
             if self.ckpt is not None:
                 self.ckpt.feed(self.ckpt.cycle.started(now))
@@ -750,7 +752,10 @@ class Coordinator:
                 w.unresponsive = False
                 self.progress.event("worker_responsive", w.heard_at, worker=w.rank, step=req.step)
             delta = max(0, req.samples - w.samples)
+            steps = req.step - w.step
             w.step, w.samples, w.loss, w.done, w.error = req.step, req.samples, req.loss, req.done, req.error
+            times = req.stepTimes or ([req.lastStepAt] if req.lastStepAt is not None and steps > 0 else [])
+            self.progress.timeline.update(self.progress.total_samples, self.clock(), times, steps)
             self.cpu.report("worker", req.instance, req.cpuSeconds)
             m = self.metrics
             m.of(m.samples).inc(delta)

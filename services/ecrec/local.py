@@ -81,6 +81,7 @@ class Child:
     index: int = 0  # shard id or rank
     incarnation: int = 1
     instance: str = ""  # the id it registers with at the coordinator
+    spare: int | None = None  # a server started as a warm spare: that spare's index
 
     @property
     def alive(self) -> bool:
@@ -90,7 +91,7 @@ class Child:
         """This process in the reconciler's terms (a signal n reads as exit code 128 + n, as in a pod)."""
         code = self.proc.poll() if self.proc is not None else None
         if code is None:
-            return Proc(self.role, self.index, self.incarnation, "running", self.instance)
+            return Proc(self.role, self.index, self.incarnation, "running", self.instance, spare=self.spare)
         exit_code = code if code >= 0 else 128 - code
         return Proc(
             self.role,
@@ -99,6 +100,7 @@ class Child:
             "succeeded" if code == 0 else "failed",
             self.instance,
             exit_code,
+            spare=self.spare,
         )
 
     def log_tail(self, lines: int = 20) -> str:
@@ -204,6 +206,7 @@ class LocalCluster:
         the reconciler address as server-<shard>); its log stays spare-<i>.log."""
         child = next(c for c in self.history if c.instance == instance)
         self.children.pop(child.name, None)
+        child.spare = child.index if child.role == "spare" else child.spare
         child.role, child.index, child.incarnation = "server", shard, incarnation
         child.name = f"server-{shard}"
         self.children[child.name] = child

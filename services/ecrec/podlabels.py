@@ -32,3 +32,13 @@ def pod_identity(labels: Mapping[str, str] | None) -> tuple[str, int, int] | Non
     except (KeyError, ValueError):
         return None
     return role, index, incarnation
+
+
+def spare_index(labels: Mapping[str, str] | None) -> int | None:
+    """A server pod that was started as a warm spare keeps its spare label through the relabelling: that
+    spare's index (the reconciler numbers new spares past it), else None."""
+    lab = labels or {}
+    try:
+        return int(lab[LABEL_SPARE]) if lab.get(LABEL_ROLE) == "server" and LABEL_SPARE in lab else None
+    except ValueError:
+        return None

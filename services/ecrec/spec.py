@@ -359,7 +359,7 @@ class ServersSpec(_Section):
         ge=0,
         description="Warm spares: server processes (pods) kept started and registered but empty; a failed "
         "shard is taken over by one at once, so a full recovery is the rebuild alone, and a new spare is "
-        "started in its place",
+        "started in its place once the shard is rebuilt",
     )
     threads: PosInt = Field(default=1, description="Torch threads per server process")
     image: Image

@@ -342,8 +342,8 @@ def test_a_deleted_coordinator_pod_is_replaced_and_training_goes_on(kube, operat
 def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_started(kube, operator):
     # servers.spares=1: a spare pod registers with the coordinator; when a server pod is deleted the
     # coordinator assigns its shard to the spare, which registers under that shard id and is rebuilt; the
-    # operator relabels it as the shard's server (role, shard, incarnation) and starts a new spare. No pod of
-    # the shard's own is created.
+    # operator relabels it as the shard's server (role, shard, incarnation) and, once it is rebuilt, starts a
+    # new spare (spare-1: index 0 is taken by the adopted pod's name). No pod of the shard's own is created.
     from ecrec_operator import render
 
     name, shard = "e2e-spare", 1

@@ -27,7 +27,8 @@ observed now, so they are idempotent under duplicate events and correct after th
 - warm spares (`servers.spares`): that many spare processes are kept idle; a failed shard for which the
   coordinator has assigned a live spare, or which an idle one can still take, gets no new process of its
   own; a spare that registered as a shard is adopted as that shard's server (the launcher relabels it:
-  role server, its shard id and incarnation) and a new spare is started in its place;
+  role server, its shard id and incarnation) and a new spare is started in its place once no shard is failed
+  or recovering (a process start takes CPU the recovery's training needs);
 - a coordinator whose process is gone is replaced by the next incarnation, started from the launcher's last
   copy of its state (`coordinator_seed`); nothing else is decided until it answers;
 - without a recoverable strategy a lost server fails the job;
@@ -56,6 +57,7 @@ class Proc:
     state: ProcState
     instance: str = ""  # the id it registers with at the coordinator
     exit_code: int | None = None  # failed: its exit code (128 + n when killed by signal n), if known
+    spare: int | None = None  # a server started as a warm spare: that spare's index (never reused)
 
     @property
     def live(self) -> bool:
@@ -227,7 +229,7 @@ def _spares(plan: _Plan, obs: Observed, by: dict, shards: dict, status: dict, se
             shard, incarnation = holders[p.instance]
             plan.actions.append(Action("adopt", "server", shard, incarnation, instance=p.instance))
             by.setdefault(("server", shard), []).append(
-                Proc("server", shard, incarnation, p.state, p.instance, p.exit_code)
+                Proc("server", shard, incarnation, p.state, p.instance, p.exit_code, spare=p.index)
             )
         elif pool.get(p.instance) is not None:
             covered.add(int(pool[p.instance]))
@@ -243,10 +245,16 @@ def _spares(plan: _Plan, obs: Observed, by: dict, shards: dict, status: dict, se
         and not any(p.live for p in by.get(("server", i), []))
     )
     covered.update(lost[:idle])
-    # Spares to start: as many as are wanted and not already waiting (registered or still starting).
+    # Spares to start: as many as are wanted and not already waiting (registered or still starting) — but not
+    # while a shard is failed or being rebuilt: starting a process (Python and torch) takes seconds of CPU,
+    # which on nodes shared with training comes out of the recovery's throughput; the spare is wanted for the
+    # next failure, not this one.
     waiting = sum(1 for p in spares if p.live and p.instance not in holders and pool.get(p.instance) is None)
-    if seen and status.get("phase") not in ("Succeeded", "Failed"):
-        nxt = max((p.index for p in spares), default=-1) + 1
+    recovering = any(s.get("state") in ("failed", "recovering") for s in shards.values())
+    if seen and status.get("phase") not in ("Succeeded", "Failed") and not recovering:
+        # past every spare index used, adopted ones too (a pod's name carries it: it must not come back)
+        used = [p.index for p in spares] + [p.spare for p in obs.procs if p.spare is not None]
+        nxt = max(used, default=-1) + 1
         for i in range(nxt, nxt + max(0, obs.num_spares - waiting)):
             plan.actions.append(Action("create", "spare", i, 1, replacement=i >= obs.num_spares))
             if i >= obs.num_spares:  # the initial spares are not replacements; the ones after are
