@@ -46,7 +46,7 @@ demo: $(STAMP)
 		$(if $(strip $(KILL)),--kill $(strip $(KILL)))
 
 test: $(STAMP) k8s-build-for-test prometheus-for-test
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q --durations=40
 
 test-fast: $(STAMP) prometheus-for-test
 	$(BIN)/python -m pytest -q -m "not slow"
