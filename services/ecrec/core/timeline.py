@@ -54,9 +54,8 @@ class SamplesTimeline:
             self._put(t, per_step)
 
     def _put(self, at: float, samples: float) -> None:
-        i = max(
-            0, math.floor((at - self.origin) / self.width)
-        )  # before the origin: a successor's first report
+        # (a time before the origin goes into the first bin: a successor coordinator's first reports)
+        i = max(0, math.floor((at - self.origin) / self.width))
         self.bins[i] = self.bins.get(i, 0.0) + samples
         while len(self.bins) > self.max_bins:
             self.width *= 2
