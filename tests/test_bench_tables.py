@@ -200,4 +200,8 @@ def test_recovery_timeline_bins_the_throughput_around_the_kill_and_lists_the_eve
     assert [r for _, r in tl["bins"]] == pytest.approx([1, 1, 0, 0, 0.5, 0.5, 0.5, 0.5, 1, 1])
     assert tl["events"] == {"failure_detected": 0.02, "recovery_started": 0.25, "recovery_completed": 0.6}
     text = format_timeline(tl)
-    assert "+0.2:0.50" in text and "recovery_started +0.25" in text
+    assert (
+        "by 0.1 s after the kill: -0.2:1.00" in text
+        and "+0.2:0.50" in text
+        and "recovery_started +0.25" in text
+    )

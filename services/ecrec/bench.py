@@ -477,13 +477,14 @@ def recovery_timeline(report: dict, step: float = 0.1, before: float = 0.3, afte
     for e in report["events"]:
         if kill - before <= e["t"] <= end:
             events.setdefault(e["kind"], round(e["t"] - kill, 3))
-    return {"bins": bins, "events": events}
+    return {"step": step, "bins": bins, "events": events}
 
 
 def format_timeline(timeline: dict) -> str:
     bins = " ".join(f"{t:+.1f}:{r:.2f}" for t, r in timeline["bins"])
     events = ", ".join(f"{kind} {t:+.2f}" for kind, t in timeline["events"].items())
-    return f"    throughput / normal by 0.1 s after the kill: {bins}\n    events (s after the kill): {events}"
+    head = f"    throughput / normal by {timeline['step']:g} s after the kill"
+    return f"{head}: {bins}\n    events (s after the kill): {events}"
 
 
 def load_job_with(path: str, overrides: list[str]):
