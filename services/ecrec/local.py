@@ -410,8 +410,11 @@ class Supervisor:
                 continue
             name = f"server-{target}"
             if cluster.children[name].alive:
+                # the time before the signal: a worker can see the dead server and the coordinator declare it
+                # failed before `kill` has reaped the process
+                at = time.time()
                 cluster.kill(name)
-                self.events.append({"kind": "server_killed", "shard": target, "at": time.time()})
+                self.events.append({"kind": "server_killed", "shard": target, "at": at})
         self._post_events(cluster)
 
     def _post_events(self, cluster: LocalCluster) -> None:
