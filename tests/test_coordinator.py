@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ecrec.coordinator import Coordinator, create_app
+from ecrec import auth
+from ecrec.coordinator import Coordinator, SingleFlight, create_app, probe_server
 from ecrec.core.cluster import ClusterMap, ProbeFirst, ShardState
 from tests.conftest import make_ctx
 
@@ -388,3 +392,75 @@ def test_a_registered_replacement_has_its_rebuild_started_without_being_asked():
     assert api.post("/recoveries", json={"shard": 1}).json()["state"] == "waiting"  # the same, running
     assert driven == [1]
     release.set()
+
+
+def test_reports_of_one_failure_made_at_once_probe_the_server_once():
+    calls, release = [], threading.Event()
+
+    def slow_probe(address: str, instance: str) -> bool:
+        calls.append((address, instance))
+        release.wait(5)
+        return False
+
+    probe = SingleFlight(slow_probe)
+    answers: list[bool] = []
+    reporters = [threading.Thread(target=lambda: answers.append(probe("a:1", "i"))) for _ in range(4)]
+    for t in reporters:
+        t.start()
+    while not probe.running:  # the first report is probing
+        threading.Event().wait(0.001)
+    threading.Event().wait(0.05)  # the others are waiting for its answer, not probing
+    assert calls == [("a:1", "i")]
+    release.set()
+    for t in reporters:
+        t.join(5)
+    assert answers == [False] * 4 and calls == [("a:1", "i")]
+    assert probe("a:1", "i") is False and len(calls) == 2  # a later report probes anew
+    assert probe("b:1", "i") is False and len(calls) == 3  # another server is another probe
+
+
+def test_a_probe_that_raises_raises_in_every_report_waiting_for_it():
+    entered, release = threading.Event(), threading.Event()
+
+    def broken(address: str, instance: str) -> bool:
+        entered.set()
+        release.wait(5)
+        raise RuntimeError("probe broke")
+
+    probe = SingleFlight(broken)
+    errors: list[str] = []
+
+    def report() -> None:
+        try:
+            probe("a:1", "i")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    first = threading.Thread(target=report)
+    first.start()
+    entered.wait(5)
+    second = threading.Thread(target=report)
+    second.start()
+    threading.Event().wait(0.05)
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert errors == ["probe broke"] * 2 and not probe.running
+
+
+def test_a_server_address_that_refuses_connections_is_dead_without_a_grpc_channel(monkeypatch):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens on the port now
+
+    def no_channel(*_a, **_k):
+        raise AssertionError("a refused connection needs no gRPC channel")
+
+    monkeypatch.setattr(auth, "channel", no_channel)
+    assert probe_server(f"127.0.0.1:{port}") is False
+    with socket.socket() as listener:  # something listens: gRPC decides (here: it is no parameter server)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with pytest.raises(AssertionError, match="gRPC channel"):
+            probe_server(f"127.0.0.1:{listener.getsockname()[1]}")

@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -267,7 +268,7 @@ class Coordinator:
         self.spare_assigned = threading.Condition(self.lock)  # wakes spares waiting in a heartbeat
         self.cpu.report("coordinator", "self", time.process_time())
         self.metrics, self.reports = coordinator_metrics(job.name, self.metrics_state, spec.servers.replicas)
-        self.probe = probe or functools.partial(probe_server, token=token)
+        self.probe = SingleFlight(probe or functools.partial(probe_server, token=token))
         self.failed_reason: str | None = None
         self.last_step_at: float | None = None  # when some worker last completed a step (stall detection)
         self.recoveries: list[RecoveryRecord] = []
@@ -1112,12 +1113,61 @@ class Coordinator:
             self.ckpt.close()
 
 
+class SingleFlight:
+    """Calls of `fn(address, instance)` made while one with the same arguments runs wait for its answer
+    instead of running again: when a server dies, every worker and server that used it reports it at once,
+    and each report probing it anew cost the coordinator CPU in the moment the whole job waits on it."""
+
+    def __init__(self, fn: Callable[[str, str], bool]):
+        self.fn = fn
+        self.lock = threading.Lock()
+        self.running: dict[tuple[str, str], concurrent.futures.Future] = {}
+
+    def __call__(self, address: str, instance: str = "") -> bool:
+        key = (address, instance)
+        with self.lock:
+            fut = self.running.get(key)
+            first = fut is None
+            if first:
+                fut = self.running[key] = concurrent.futures.Future()
+        if not first:
+            return fut.result()
+        try:
+            answer = self.fn(address, instance)
+            fut.set_result(answer)
+            return answer
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        finally:
+            with self.lock:
+                del self.running[key]
+
+
+def _tcp_answers(address: str, timeout: float) -> bool | None:
+    """Does anything accept a TCP connection at `address` within `timeout`? False when it is refused or
+    nothing answers in time (the kernel accepts for a live process however busy it is); None when the network
+    cannot tell (no route, a name that does not resolve): gRPC's probe decides then."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (ConnectionRefusedError, TimeoutError):
+        return False
+    except (OSError, ValueError):
+        return None
+
+
 def probe_server(address: str, instance: str = "", timeout: float = 1.0, token: str | None = None) -> bool:
     """True if the parameter server process `instance` answers Info at `address` within `timeout`. Another
     process answering at that address (a replacement that took it over) means `instance` is gone."""
     from ecrec.proto import ecrec_pb2, ecrec_pb2_grpc
 
     if not address:
+        return False
+    # A refused connection answers at once (a killed local process); a gRPC channel takes tens of ms to
+    # say the same on a loaded machine, while every worker waits for the verdict.
+    if _tcp_answers(address, timeout) is False:
         return False
     with auth.channel(address, token) as ch:
         try:
