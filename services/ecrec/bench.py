@@ -487,6 +487,54 @@ def format_timeline(timeline: dict) -> str:
     return f"{head}: {bins}\n    events (s after the kill): {events}"
 
 
+def recovery_phases(report: dict, after: float = 1.0) -> list[tuple[str, float, float]]:
+    """A recovery's phases in seconds since the job started: the 2 s before the kill, the kill until the
+    coordinator declared the server failed, degraded mode until the replacement registered, its rebuild, and
+    `after` seconds after full recovery."""
+    (rec,) = report["recoveries"]
+    kill, detected, done = rec["killed_at"], rec["detected_at"], rec["completed_at"]
+    registered = next(
+        (e["t"] for e in report["events"] if e["kind"] == "replacement_registered" and e["t"] >= kill),
+        rec["started_at"],
+    )
+    return [
+        ("before the kill", kill - 2.0, kill),
+        ("kill -> detected", kill, detected),
+        ("degraded (-> replacement registered)", detected, registered),
+        ("rebuild", registered, done),
+        (f"{after:g} s after", done, done + after),
+    ]
+
+
+def recovery_cpu(report: dict, sampler, shard: int = 2) -> list[dict]:
+    """Cores each role used in each phase of the run's recovery, and throughput / normal in it."""
+    from ecrec.cputrace import cpu_by_phase, roles_through_a_kill
+
+    (rec,) = report["recoveries"]
+    normal = samples_rate(report, 2.0, rec["killed_at"])
+    rows = cpu_by_phase(
+        sampler.samples, roles_through_a_kill(sampler.children, shard), recovery_phases(report)
+    )
+    for row in rows:
+        rate = samples_rate(report, row["from"], row["to"]) if row["to"] > row["from"] else float("nan")
+        row["throughput"] = rate / normal if normal else float("nan")
+    return rows
+
+
+CPU_GROUPS = ("workers", "servers", "replacement", "spares", "coordinator")
+
+
+def format_recovery_cpu(rows: list[dict], kill: float) -> str:
+    lines = ["    CPU cores by phase (s after the kill; throughput / normal):"]
+    for r in rows:
+        cores = ", ".join(f"{g} {r['cores'].get(g, 0.0):.2f}" for g in CPU_GROUPS)
+        lines.append(
+            f"      {r['phase']:<38} {r['from'] - kill:+.2f}..{r['to'] - kill:+.2f}  {r['throughput']:.2f}  "
+            f"{cores}; all {r['total']:.2f}"
+        )
+    return "\n".join(lines)
+
+
 def load_job_with(path: str, overrides: list[str]):
     from ecrec.spec import load_job
 
@@ -526,7 +574,17 @@ def bench_recovery(
         )
         name = f"scale{scale}_group{group}"
         out = out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name
-        report = _run(ctx, out, kills=[(2, kill_at)])
+        sampler = None
+        if timeline:
+            from ecrec.cputrace import CpuSampler
+
+            sampler = CpuSampler()
+        try:
+            hook = {"on_tick": sampler.on_tick} if sampler is not None else {}
+            report = _run(ctx, out, kills=[(2, kill_at)], **hook)
+        finally:
+            if sampler is not None:
+                sampler.stop()
         model_rows[(scale, group)] = ctx.model.num_rows
         run = recovery_run(report)
         runs[(scale, group)].append(run)
@@ -537,6 +595,12 @@ def bench_recovery(
         )
         if timeline:
             print(format_timeline(recovery_timeline(report)), flush=True)
+            if sampler is not None and any(
+                snap for _t, snap in sampler.samples
+            ):  # off Linux, nothing was read
+                phases = recovery_cpu(report, sampler)
+                (out / "cpu_phases.json").write_text(json.dumps(phases, indent=1))
+                print(format_recovery_cpu(phases, report["recoveries"][0]["killed_at"]), flush=True)
     rows = []
     for (scale, group), rs in runs.items():
         rows.append(
