@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -407,9 +408,10 @@ def test_reports_of_one_failure_made_at_once_probe_the_server_once():
     reporters = [threading.Thread(target=lambda: answers.append(probe("a:1", "i"))) for _ in range(4)]
     for t in reporters:
         t.start()
-    while not probe.running:  # the first report is probing
-        threading.Event().wait(0.001)
-    threading.Event().wait(0.05)  # the others are waiting for its answer, not probing
+    deadline = time.monotonic() + 5
+    while not probe.running and time.monotonic() < deadline:  # until the first report is probing
+        time.sleep(0.001)
+    time.sleep(0.05)  # the others are waiting for its answer, not probing
     assert calls == [("a:1", "i")]
     release.set()
     for t in reporters:
@@ -441,7 +443,7 @@ def test_a_probe_that_raises_raises_in_every_report_waiting_for_it():
     entered.wait(5)
     second = threading.Thread(target=report)
     second.start()
-    threading.Event().wait(0.05)
+    time.sleep(0.05)
     release.set()
     first.join(5)
     second.join(5)

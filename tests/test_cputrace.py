@@ -35,18 +35,17 @@ def test_a_busy_process_accumulates_cpu_and_a_sleeping_one_does_not():
         ]
         time.sleep(0.3)  # past the interpreters' start
         sampler.sample(kids, 0.0)
-        time.sleep(0.5)
-        sampler.sample(kids, 0.5)
+        time.sleep(0.6)
+        sampler.sample(kids, 0.6)
     finally:
         busy.kill()
         idle.kill()
         busy.wait()
         idle.wait()
     (t0, first), (t1, last) = sampler.samples
-    assert (
-        set(first) == set(last) == {"busy-x", "idle-x"}
-    )  # a reaped child is not read (its pid may be reused)
-    assert last["busy-x"] - first["busy-x"] >= 0.2  # a core spinning for 0.5 s (shared with the rest)
+    # a reaped child is not read (its pid may belong to another process by now)
+    assert set(first) == set(last) == {"busy-x", "idle-x"}
+    assert last["busy-x"] - first["busy-x"] >= 0.15  # spinning for 0.6 s on cores shared with the rest
     assert last["idle-x"] - first["idle-x"] <= 0.05
     assert process_cpu_seconds(busy.pid) is None  # gone
     assert process_cpu_seconds(os.getpid()) > 0

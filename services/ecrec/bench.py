@@ -595,9 +595,8 @@ def bench_recovery(
         )
         if timeline:
             print(format_timeline(recovery_timeline(report)), flush=True)
-            if sampler is not None and any(
-                snap for _t, snap in sampler.samples
-            ):  # off Linux, nothing was read
+            read = sampler is not None and any(snap for _t, snap in sampler.samples)  # none off Linux
+            if read:
                 phases = recovery_cpu(report, sampler)
                 (out / "cpu_phases.json").write_text(json.dumps(phases, indent=1))
                 print(format_recovery_cpu(phases, report["recoveries"][0]["killed_at"]), flush=True)
