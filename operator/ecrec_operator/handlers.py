@@ -25,7 +25,7 @@ import kopf
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from ecrec import auth
+from ecrec import auth, rest
 from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile
 from ecrec.data import check_data
 from ecrec.jobctx import JobContext
@@ -103,7 +103,7 @@ def _get_status(base: str | None) -> dict | None:
     if base is None:
         return None
     try:
-        r = httpx.get(f"{base}/v1/status", timeout=HTTP_TIMEOUT)
+        r = rest.get(f"{base}/v1/status", timeout=HTTP_TIMEOUT)
         r.raise_for_status()
         return r.json()
     except (httpx.HTTPError, ValueError):
@@ -148,7 +148,7 @@ def _ensure_token(job, namespace: str, owner) -> str:
 
 
 def _post(base: str, path: str, token: str | None, body: dict) -> httpx.Response:
-    return httpx.post(f"{base}{path}", json=body, timeout=HTTP_TIMEOUT, headers=auth.headers(token))
+    return rest.post(f"{base}{path}", json=body, timeout=HTTP_TIMEOUT, token=token)
 
 
 # -- reacting at once to a lost server --------------------------------------------------------------------

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ecrec import auth
+from ecrec import auth, rest
 from ecrec.spec import SpecError, load_job
 
 # `ecrec ROLE ARGS` runs ROLE's process: the module whose main(argv) gets ARGS.
@@ -131,14 +131,13 @@ def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float | str]:
 
 def cmd_verify(args) -> int:
     """Check I1 on a running job through its coordinator."""
-    import httpx
 
     from ecrec.client import PSClient
     from ecrec.jobctx import JobContext
     from ecrec.spec import job_from_dict
 
     url = args.coordinator.rstrip("/")
-    doc = httpx.get(f"{url}/v1/job", timeout=10).json()
+    doc = rest.get(f"{url}/v1/job", timeout=10).json()
     ctx = JobContext(
         job_from_dict(
             {

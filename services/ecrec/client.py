@@ -22,7 +22,7 @@ import grpc
 import httpx
 import torch
 
-from ecrec import auth
+from ecrec import auth, rest
 from ecrec.core.update import MapView
 from ecrec.evaluation import auc, logloss
 from ecrec.jobctx import JobContext
@@ -67,7 +67,7 @@ class PSClient:
         self.progress_timeout = ctx.spec.coordinator.progress_timeout_seconds
         self.metrics = metrics or Metrics(ctx.name, "client")
         self.coordinator = coordinator.rstrip("/")
-        self.http = httpx.Client(timeout=15.0, headers=auth.headers(ctx.token)) if coordinator else None
+        self.http = rest.client(timeout=15.0, token=ctx.token) if coordinator else None
         self._coordinator_log = 0.0
         self._latency: dict[str, object] = {}  # method -> latency histogram child: no label lookup per call
         self.degraded_rows: dict[str, dict[int, int]] = {"reads": {}, "writes": {}}
@@ -86,7 +86,7 @@ class PSClient:
 
     @classmethod
     def from_coordinator(cls, ctx: JobContext, url: str, **kw) -> PSClient:
-        r = httpx.get(f"{url.rstrip('/')}/cluster", timeout=5.0)
+        r = rest.get(f"{url.rstrip('/')}/cluster", timeout=5.0)
         r.raise_for_status()
         return cls(ctx, r.json(), coordinator=url, **kw)
 

@@ -403,9 +403,9 @@ def substitute(expr: str, job: str, rate_interval: str) -> str:
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:
-    import httpx
+    from ecrec import rest
 
-    r = httpx.get(
+    r = rest.get(
         f"{prometheus.rstrip('/')}/api/v1/query_range",
         params={"query": expr, "start": start, "end": end, "step": step},
         timeout=30.0,

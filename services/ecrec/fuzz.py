@@ -22,7 +22,7 @@ import grpc
 import httpx
 import torch
 
-from ecrec import auth
+from ecrec import auth, rest
 from ecrec.jobctx import JobContext
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
@@ -65,7 +65,7 @@ class Fuzzer:
     def __init__(self, ctx: JobContext, coordinator: str, seed: int = 0, timeout: float = 1.0):
         self.ctx, self.url, self.timeout = ctx, coordinator.rstrip("/"), timeout
         self.rng = random.Random(seed)
-        self.http = httpx.Client(timeout=10.0, headers=auth.headers(ctx.token))
+        self.http = rest.client(timeout=10.0, token=ctx.token)
         self.stubs: dict[str, pb_grpc.ParameterServerStub] = {}
         self.channels: list[grpc.Channel] = []
         self.answers: Counter[tuple[str, str]] = Counter()  # (method or endpoint, status) -> count

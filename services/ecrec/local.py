@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from ecrec import auth
+from ecrec import auth, rest
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.jobctx import JobContext
 from ecrec.spec import JobSpec
@@ -136,7 +136,7 @@ class LocalCluster:
         token_file.touch(mode=0o600)
         token_file.chmod(0o600)
         token_file.write_text(self.ctx.token)
-        self.http = httpx.Client(timeout=10.0, headers=auth.headers(self.ctx.token))
+        self.http = rest.client(timeout=10.0, token=self.ctx.token)
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(
@@ -650,7 +650,7 @@ def scrape_servers(cluster: dict) -> dict[int, list]:
         url, text = shard.get("metricsUrl"), ""
         if url:
             try:
-                text = httpx.get(url, timeout=5.0).text
+                text = rest.get(url, timeout=5.0).text
             except httpx.HTTPError:
                 text = ""
         out[shard["shard"]] = list(text_string_to_metric_families(text))

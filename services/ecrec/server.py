@@ -25,7 +25,7 @@ import grpc
 import httpx
 import torch
 
-from ecrec import auth, faults
+from ecrec import auth, faults, rest
 from ecrec.core.txn import DeltaBatch, RowsBusy
 from ecrec.core.update import parse_txn
 from ecrec.jobctx import JobContext
@@ -72,7 +72,7 @@ class ClusterView:
         self.url = coordinator.rstrip("/")
         self.lock = threading.Lock()
         self.snapshot = snapshot or {"epoch": 0, "shards": []}
-        self.http = httpx.Client(timeout=5.0, headers=auth.headers(token)) if coordinator else None
+        self.http = rest.client(timeout=5.0, token=token) if coordinator else None
         self._refresh_lock = threading.Lock()
         self._refreshed_at = 0.0
 
@@ -754,7 +754,7 @@ class CoordinatorLink:
         self.url, self.shard, self.address, self.metrics_url = url.rstrip("/"), shard, address, metrics_url
         self.interval, self.instance = interval, instance
         self.incarnation = 0  # as the coordinator counted it at registration: what a rejoin claims
-        self.http = httpx.Client(timeout=5.0, headers=auth.headers(token))
+        self.http = rest.client(timeout=5.0, token=token)
 
     def register(self, replacement: bool, deadline_s: float = 60.0) -> dict:
         end = time.monotonic() + deadline_s
@@ -837,7 +837,7 @@ def wait_as_spare(
     assigned, a thread goes on heartbeating as the spare until `serving` is set (registered as the shard): a
     takeover that takes longer than the failure timeout must not look like a dead spare."""
     # Heartbeats are long polls of `interval` each: the coordinator answers at once when it assigns a shard.
-    http = httpx.Client(timeout=5.0 + interval, headers=auth.headers(token))
+    http = rest.client(timeout=5.0 + interval, token=token)
     base = url.rstrip("/")
     path, last_log = "/v1/spares/register", 0.0
 
@@ -880,8 +880,9 @@ def wait_as_spare(
 def warm_up(ctx: JobContext) -> None:
     """What a spare does before it waits: run once everything a takeover runs for the first time (lazy
     imports, torch's first calls, the job's cached shapes) on a throwaway empty store, so that the takeover
-    itself only allocates its shard's tables."""
+    itself only allocates its shard's tables and HTTP clients (ecrec.rest: their TLS context is made now)."""
     ShardStore(ctx, 0, replacement=True)
+    rest.tls_context()
 
 
 def expire_forever(store, interval: float, stop: threading.Event) -> None:

@@ -23,7 +23,7 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from ecrec import auth, faults
+from ecrec import faults, rest
 from ecrec.client import Pending, PSClient
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
 from ecrec.core.recovery import MAX_STEP_TIMES
@@ -163,7 +163,7 @@ class CoordinatorLink:
     ):
         self.url, self.rank, self.instance, self.incarnation = url.rstrip("/"), rank, instance, incarnation
         self.patience = patience  # how long to keep trying before the worker gives up
-        self.http = httpx.Client(timeout=10.0, headers=auth.headers(token))
+        self.http = rest.client(timeout=10.0, token=token)
         self._last_log = 0.0
 
     def _retry(self, what: str, call):
