@@ -131,7 +131,6 @@ def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float | str]:
 
 def cmd_verify(args) -> int:
     """Check I1 on a running job through its coordinator."""
-
     from ecrec.client import PSClient
     from ecrec.jobctx import JobContext
     from ecrec.spec import job_from_dict
