@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
+from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile, replacements_seen
 
 N, W = 3, 2
 
@@ -266,6 +266,27 @@ def test_a_lost_server_is_left_to_an_idle_spare_and_the_spare_is_adopted_then_re
     assert reconcile(
         obs(procs + [Proc("spare", 1, 1, "running", "sp1")], with_spares(st, ("sp1", None)), num_spares=1)
     ) == [Action("adopt", "server", 1, 2, instance="sp0")]
+
+
+def test_replacements_seen_from_the_pods_never_count_an_adoption():
+    # The operator's lower bound when its status lags the pods. A CI run counted 2 for one server lost to a
+    # spare: the adoption bumped shard 1's incarnation (no pod created) and the new spare was counted too.
+    base = running()
+    assert replacements_seen(base, 0) == 0
+    assert replacements_seen(without(base, "server", 1) + [Proc("server", 1, 2, "running")], 0) == 1
+    adopted = without(base, "server", 1) + [Proc("server", 1, 2, "running", "sp0", spare=0)]
+    assert replacements_seen(adopted, 1) == 0  # taken over, no spare started yet
+    assert replacements_seen(adopted + [Proc("spare", 1, 1, "pending", "sp1")], 1) == 1  # the new spare
+    # The adopted pod deleted in turn, a pod of the shard's own created, spare 1 still idle: two.
+    again = without(base, "server", 1) + [
+        Proc("server", 1, 3, "running"),
+        Proc("spare", 1, 1, "running", "sp1"),
+    ]
+    assert replacements_seen(again, 1) == 2
+    # Spares that never took over count as adoptions at most, never as more: an idle spare that died and was
+    # replaced is one replacement, the dead one still visible.
+    assert replacements_seen(base + [Proc("spare", 0, 1, "failed"), Proc("spare", 1, 1, "running")], 1) == 1
+    assert replacements_seen(base + [Proc("coordinator", 0, 3, "running")], 0) == 2
 
 
 def test_without_an_idle_spare_a_lost_server_gets_its_own_replacement():

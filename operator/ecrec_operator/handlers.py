@@ -26,7 +26,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from ecrec import auth, rest
-from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile
+from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile, replacements_seen
 from ecrec.data import check_data
 from ecrec.jobctx import JobContext
 from ecrec.spec import SpecError, job_from_dict
@@ -232,12 +232,11 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         with _lock:
             _registered[(namespace, name)] = registered
     run_policy = job.spec.run_policy
-    # Replacements so far: what the status says, or what the pods' incarnations show if more (an operator
-    # killed between creating a replacement and writing the status).
-    latest: dict[tuple[str, int], int] = {}
-    for p in procs:
-        latest[(p.role, p.index)] = max(latest.get((p.role, p.index), 1), p.incarnation)
-    replacements = max(int(status.get("replacements") or 0), sum(i - 1 for i in latest.values()))
+    # Replacements so far: what the status says, or what the pods show if more (an operator killed between
+    # creating a replacement and writing the status).
+    replacements = max(
+        int(status.get("replacements") or 0), replacements_seen(procs, job.spec.servers.spares)
+    )
     started = status.get("startTime")
     if run_policy.active_deadline_seconds and started:
         age = (now - _parse_time(started)).total_seconds()

@@ -191,6 +191,31 @@ def coordinator_seed(resume: dict | None, procs: tuple[Proc, ...], incarnation: 
     return max(incarnation, int(seed.get("generation", 0)) + 1), seed
 
 
+def replacements_seen(procs: tuple[Proc, ...] | list[Proc], num_spares: int) -> int:
+    """Replacement pods the observed pods prove were created: a lower bound for the operator's count when its
+    status lags the pods (an operator killed between creating a pod and writing the status).
+
+    Each role and index's latest incarnation says how many times it was taken over; but a warm spare that
+    takes over a shard bumps the shard's incarnation without a pod being created (the spare started in its
+    place is the replacement). Adoptions are at most the spares started that are no longer spares, so
+    subtracting that many never counts one too many — a count too high could fail a healthy job on
+    runPolicy.backoffLimit; one too low (an idle spare deleted as well) lets one more replacement through."""
+    latest: dict[tuple[str, int], int] = {}
+    spares_seen, used = 0, []
+    for p in procs:
+        if p.role == "spare":
+            spares_seen += 1
+            used.append(p.index)
+            continue
+        latest[(p.role, p.index)] = max(latest.get((p.role, p.index), 1), p.incarnation)
+        if p.spare is not None:
+            used.append(p.spare)
+    spares_started = max(used, default=-1) + 1  # spare indices are never reused
+    bumps = sum(i - 1 for i in latest.values())
+    adoptions_at_most = spares_started - spares_seen
+    return max(0, bumps - adoptions_at_most + max(0, spares_started - num_spares))
+
+
 def _group(procs) -> dict[tuple[str, int], list[Proc]]:
     out: dict[tuple[str, int], list[Proc]] = {}
     for p in procs:
