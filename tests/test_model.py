@@ -211,7 +211,7 @@ def test_model_config_offsets_rows_and_build() -> None:
     assert torch.equal(cfg.table_offsets, torch.tensor([0, 10, 13]))
     assert cfg.table_offsets.dtype == torch.int64
     m = cfg.build()
-    assert isinstance(m, DLRM) and dense_numel(m) == cfg.init_dense(0).numel()
+    assert isinstance(m, DLRM) and dense_numel(m) == cfg.init_dense(0).numel() == cfg.dense_numel
     with pytest.raises(ValueError, match="table_sizes"):
         ModelConfig(5, 4, (10, 0), (8, 4), (6, 1))
 

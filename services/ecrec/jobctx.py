@@ -17,7 +17,7 @@ import torch
 from ecrec import auth
 from ecrec.core.optim import RowOptimizer, make_optimizer
 from ecrec.core.placement import Placement, chunk_bounds, dense_replicas
-from ecrec.model import ModelConfig, dense_numel
+from ecrec.model import ModelConfig
 from ecrec.spec import Job, JobSpec, job_from_dict
 
 
@@ -87,8 +87,7 @@ class JobContext:
 
     @cached_property
     def dense_numel(self) -> int:
-        m = self.model
-        return dense_numel(m.build())
+        return self.model.dense_numel
 
     @cached_property
     def dense_bounds(self) -> list[tuple[int, int]]:
