@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from ecrec.local import die_with
+from ecrec.forkserver import die_with
 from tests.conftest import ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parents[1]

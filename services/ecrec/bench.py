@@ -19,8 +19,9 @@ from typing import Any
 import grpc
 import torch
 
+from ecrec.forkserver import die_with
 from ecrec.jobctx import JobContext
-from ecrec.local import die_with, free_port, machine_description
+from ecrec.local import free_port, machine_description
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import GRPC_OPTIONS

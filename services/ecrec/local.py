@@ -4,12 +4,12 @@ The launcher is the local twin of the Kubernetes operator: it starts the process
 watches them, shows progress, evaluates the model and writes the report. Whatever happens (a failed start,
 Ctrl-C, an exception), every child is terminated: children run in their own session (so a terminal's Ctrl-C
 reaches only the launcher, which then stops them in order) and die with the launcher through
-PR_SET_PDEATHSIG even if the launcher is SIGKILLed.
+PR_SET_PDEATHSIG even if the launcher is SIGKILLed. They are forked from the job's fork server
+(ecrec.forkserver), which imported every role's module once.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -18,7 +18,6 @@ import platform
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -29,40 +28,13 @@ import httpx
 
 from ecrec import auth, rest
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
+from ecrec.forkserver import Forked, ForkServer
 from ecrec.jobctx import JobContext
 from ecrec.spec import JobSpec
-
-PR_SET_PDEATHSIG = 1
 
 
 class JobFailed(RuntimeError):
     pass
-
-
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
-    """Have the kernel SIGKILL this child when its parent dies. A parent that died between the fork and this
-    call (SIGKILLed while starting its children) left the child orphaned already: it then kills itself."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def die_with(parent: int):
-    """preexec_fn for children of process `parent` (this one): see _die_with_parent."""
-    return functools.partial(_die_with_parent, parent)
-
-
-def ecrec_command(role: str) -> list[str]:
-    """The argv that starts a `role` process: `ecrec ROLE`, the console script the images' ENTRYPOINT and the
-    operator's pods run, from this interpreter's environment (its bin/ need not be on PATH); without the
-    script (a source checkout that was never installed) the same code through `python -m ecrec.cli`."""
-    script = Path(sys.executable).with_name("ecrec")  # not resolved: a venv's python is a symlink
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script), role]
-    return [sys.executable, "-m", "ecrec.cli", role]
 
 
 def free_port() -> int:
@@ -76,7 +48,7 @@ class Child:
     name: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: Forked | None = None  # a child of the job's fork server
     role: str = ""  # coordinator | server | worker | spare (a server once adopted)
     index: int = 0  # shard id or rank
     incarnation: int = 1
@@ -139,6 +111,16 @@ class LocalCluster:
         self.http = rest.client(timeout=10.0, token=self.ctx.token)
 
     # -- processes -------------------------------------------------------------------------------------
+    def _child_env(self) -> dict[str, str]:
+        # a native crash (a signal) dumps every thread's Python stack into the process's log
+        return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **self.env}
+
+    @functools.cached_property
+    def forkserver(self) -> ForkServer:
+        """Started with the first process: every process of the job is forked from it (ecrec.forkserver)."""
+        log = self.out_dir / "logs" / "forkserver.log"
+        return ForkServer(self.out_dir, log, self._child_env())
+
     def spawn(
         self, name: str, module: str, *args: str, role: str = "", index: int = 0, incarnation: int = 1
     ) -> Child:
@@ -147,24 +129,14 @@ class LocalCluster:
             args = (*args, "--instance", instance)
         child = Child(
             name,
-            [*ecrec_command(module.rsplit(".", 1)[-1]), *args],
+            ["ecrec", module.rsplit(".", 1)[-1], *args],  # what it runs, as a pod would: `ecrec ROLE ARGS`
             self.out_dir / "logs" / f"{name}.log",
             role=role,
             index=index,
             incarnation=incarnation,
             instance=instance,
         )
-        with open(child.log_path, "ab") as log:
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with(os.getpid()),
-                # a native crash (a signal) dumps every thread's Python stack into the process's log
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **self.env},
-            )
+        child.proc = self.forkserver.spawn(child.argv[1:], self._child_env(), child.log_path, name)
         self.children[name] = child
         self.history.append(child)
         return child
@@ -262,6 +234,8 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        if "forkserver" in self.__dict__:
+            self.forkserver.close()
         self.http.close()
 
     # -- readiness -------------------------------------------------------------------------------------
