@@ -73,6 +73,9 @@ def _serve(requests_fd: int, replies_fd: int) -> dict:
 
     for module in PRELOAD:
         __import__(module)
+    from ecrec import rest
+
+    rest.tls_context()  # every process makes one (certifi's trust store: 55-95 ms of CPU); forked, it has it
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
