@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import importlib
 import json
 import os
 import selectors
@@ -69,10 +70,8 @@ def die_with(parent: int):
 def _serve(requests_fd: int, replies_fd: int) -> dict:
     """The fork server's loop. Returns only in a child, with the request it was forked for; the fork server
     itself exits when the launcher closes the request pipe (or dies)."""
-    import ecrec  # noqa: F401  (the package first: a failed preload below names the module that failed)
-
     for module in PRELOAD:
-        __import__(module)
+        importlib.import_module(module)
     from ecrec import rest
 
     rest.tls_context()  # every process makes one (certifi's trust store: 55-95 ms of CPU); forked, it has it
