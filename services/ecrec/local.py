@@ -357,13 +357,17 @@ class Supervisor:
     def tick(self, cluster: LocalCluster, status: dict | None) -> None:
         """One pass; `status` is None while no coordinator answers."""
         if status is not None:
-            if self.resume is None or self.hold_seed is None or not self.hold_seed(self.resume):
-                self.resume = status.get("resume") or self.resume
+            self._remember(status)
             self.started_at = status.get("startedAt")
             if self.started_at is not None and status["phase"] not in ("Succeeded", "Failed"):
                 self._kill_due(cluster, status)
             self._post_events(cluster)
         self.reconcile(cluster, status)
+
+    def _remember(self, status: dict) -> None:
+        """Keep the coordinator's state as a successor's seed (unless a test holds an older one)."""
+        if self.resume is None or self.hold_seed is None or not self.hold_seed(self.resume):
+            self.resume = status.get("resume") or self.resume
 
     def _kill_due(self, cluster: LocalCluster, status: dict) -> None:
         t = time.time() - status["startedAt"]
@@ -446,6 +450,12 @@ class Supervisor:
         elif a.kind in ("report_failed", "start_recovery", "report_worker_lost", "report_worker_finished"):
             try:
                 self._tell_coordinator(cluster, a)
+                if a.kind == "report_failed":
+                    # The seed as of the failure's declaration, before the replacement starts: a successor
+                    # started from an older one would take the dead server for up until it probed it. (The
+                    # replacement, forked in a few ms, may register before the next pass reads the status.)
+                    if (status := _status(cluster)) is not None:
+                        self._remember(status)
             except httpx.TransportError:
                 # The coordinator died mid-request (or is being replaced): the next pass decides again from
                 # what it observes then, and tells its successor.
