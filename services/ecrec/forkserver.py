@@ -183,15 +183,16 @@ class Forked:
 
     def __init__(self, server: ForkServer, pid: int):
         self._server, self.pid = server, pid
+        self.exit: int | None = None  # set by the fork server's reader when this process (not its pid) exits
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = self._server.exit_code(self.pid)
+            self.returncode = self._server.exit_code(self)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._server.wait_exit(self.pid, timeout)
+        code = self._server.wait_exit(self, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         self.returncode = code
@@ -217,8 +218,10 @@ class ForkServer:
     def __init__(self, out_dir: Path, log_path: Path, env: dict[str, str]):
         self._lock = threading.Lock()  # one request in flight: replies come in request order
         self._cond = threading.Condition()
-        self._exited: dict[int, int] = {}
-        self._replies: list[dict] = []
+        # Children by pid while they live: an exit is matched to the process, so a pid the system reuses for a
+        # later child is never taken for the earlier one's.
+        self._live: dict[int, Forked] = {}
+        self._replies: list[Forked | dict] = []
         self._gone = False
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -238,7 +241,12 @@ class ForkServer:
             msg = json.loads(line)
             with self._cond:
                 if "exited" in msg:
-                    self._exited[int(msg["exited"])] = int(msg["code"])
+                    child = self._live.pop(int(msg["exited"]), None)
+                    if child is not None:
+                        child.exit = int(msg["code"])
+                elif "started" in msg:  # registered here, before its exit can be read
+                    child = self._live[int(msg["started"])] = Forked(self, int(msg["started"]))
+                    self._replies.append(child)
                 else:
                     self._replies.append(msg)
                 self._cond.notify_all()
@@ -262,26 +270,26 @@ class ForkServer:
                 if not self._replies:
                     raise ForkServerError(f"the fork server is gone (exit code {self.proc.wait()})")
                 reply = self._replies.pop(0)
-        if "error" in reply:
-            raise ForkServerError(f"the fork server could not start {name}: {reply['error']}")
-        return Forked(self, int(reply["started"]))
+        if isinstance(reply, dict):
+            raise ForkServerError(f"the fork server could not start {name}: {reply.get('error')}")
+        return reply
 
-    def exit_code(self, pid: int) -> int | None:
+    def exit_code(self, child: Forked) -> int | None:
         with self._cond:
-            if pid in self._exited:
-                return self._exited[pid]
+            if child.exit is not None:
+                return child.exit
             # A child of a fork server that is gone was killed with it (PR_SET_PDEATHSIG).
             return -signal.SIGKILL if self._gone else None
 
-    def wait_exit(self, pid: int, timeout: float | None) -> int | None:
+    def wait_exit(self, child: Forked, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while pid not in self._exited and not self._gone:
+            while child.exit is None and not self._gone:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(timeout=left)
-        return self.exit_code(pid)
+        return self.exit_code(child)
 
     def close(self, timeout: float = 10.0) -> None:
         """End the fork server (its children should have exited: any left are SIGKILLed with it)."""
