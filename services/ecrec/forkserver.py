@@ -75,6 +75,12 @@ def _serve(requests_fd: int, replies_fd: int) -> dict:
     from ecrec import rest
 
     rest.tls_context()  # every process makes one (certifi's trust store: 55-95 ms of CPU); forked, it has it
+    import torch
+
+    # A child cannot use CUDA once its parent initialized it (CUDA's state does not survive fork): each
+    # worker initializes it itself. Checked on a GPU by hack/gpu-check.
+    if torch.cuda.is_initialized():
+        raise RuntimeError("the fork server initialized CUDA: its children could not use it")
     me = os.getpid()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
