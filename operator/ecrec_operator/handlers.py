@@ -29,9 +29,9 @@ from ecrec import auth, rest
 from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile, replacements_seen
 from ecrec.data import check_data
 from ecrec.jobctx import JobContext
-from ecrec.spec import SpecError, job_from_dict
+from ecrec.spec import SpecError
 
-from . import metrics, render
+from . import metrics, pinning, render
 from .status import job_status
 
 log = logging.getLogger("ecrec_operator")
@@ -195,23 +195,25 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     if phase == "Failed" or (phase == "Succeeded" and status.get("completionTime")):
         _finish(name, namespace, spec, status, body, pods_by_job, now)
         return
-    try:
-        job = job_from_dict(
-            {
-                "apiVersion": f"{render.GROUP}/{render.VERSION}",
-                "kind": "ECRecJob",
-                "metadata": {"name": name},
-                "spec": dict(spec),
-            }
-        )
-    except SpecError as e:
-        # A spec the schema could not reject (cross-field rules): nothing is created.
-        _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
-        return
-    problems = render.kubernetes_problems(job)
-    if problems:
-        _fail(patch, body, status, now, "ECRecJobInvalidSpec", "invalid spec: " + "; ".join(problems))
-        return
+    pinned = (meta.get("annotations") or {}).get(pinning.ANNOTATION)
+    if pinned is None:
+        try:
+            job = pinning.parse(name, spec)
+        except SpecError as e:
+            # A spec the schema could not reject (cross-field rules): nothing is created.
+            _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
+            return
+        problems = render.kubernetes_problems(job)
+        if problems:
+            _fail(patch, body, status, now, "ECRecJobInvalidSpec", "invalid spec: " + "; ".join(problems))
+            return
+        try:
+            pinned = _pin(namespace, name, job)  # before the first pod: every pod is rendered from it
+        except ApiException as e:
+            logger.warning("pinning the spec: %s", e)
+            return
+    resolved = pinning.resolve(name, spec, pinned)
+    job = resolved.job
     pods = _pods(pods_by_job, namespace, name)
     if not pods and not status.get("coordinatorIncarnation"):
         # Before anything starts: data files that are missing or malformed fail here with one line, not as
@@ -301,6 +303,9 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
             new["completionTime"] = _iso(now)
     if coordinator_created is not None:
         new["coordinatorIncarnation"] = coordinator_created
+    new["conditions"] = _spec_condition(body, new.get("conditions") or [], resolved, now)
+    if meta.get("generation") is not None:
+        new["observedGeneration"] = int(meta["generation"])  # the spec this pass saw (edits: see pinning)
     for key, value in new.items():
         if status.get(key) != value:  # an unchanged field is not sent again (status.resume can be large)
             patch.status[key] = value
@@ -478,6 +483,41 @@ def _iso(t: datetime.datetime) -> str:
 
 def _parse_time(text: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _pin(namespace: str, name: str, job) -> str:
+    """The job's pinned spec (ecrec_operator.pinning): the one already written, which a pass that sees the job
+    before its own annotation's watch event must not overwrite with a spec edited since, else this one."""
+    api = k8s.CustomObjectsApi()
+    obj = api.get_namespaced_custom_object(render.GROUP, render.VERSION, namespace, render.PLURAL, name)
+    pinned = (obj["metadata"].get("annotations") or {}).get(pinning.ANNOTATION)
+    if pinned is None:
+        pinned = pinning.pin(job)
+        # resourceVersion: a spec edited after the GET fails the patch (409), and the next pass starts over
+        meta = {
+            "annotations": {pinning.ANNOTATION: pinned},
+            "resourceVersion": obj["metadata"]["resourceVersion"],
+        }
+        api.patch_namespaced_custom_object(
+            render.GROUP, render.VERSION, namespace, render.PLURAL, name, {"metadata": meta}
+        )
+    return pinned
+
+
+def _spec_condition(body, conditions: list[dict], resolved: pinning.Resolved, now) -> list[dict]:
+    """SpecChangeIgnored: True, with what was not applied, while the live spec differs from the pinned one
+    (an event when that starts or changes); False once it no longer does; absent if it never did."""
+    from .status import set_condition
+
+    message = resolved.message()
+    old = next((c for c in conditions if c.get("type") == "SpecChangeIgnored"), None)
+    if not message:
+        if old is None or old.get("status") == "False":
+            return conditions
+        return set_condition(conditions, "SpecChangeIgnored", "False", "SpecUnchanged", "", _iso(now))
+    if old is None or old.get("message") != message:
+        kopf.warn(body, reason="SpecChangeIgnored", message=message)
+    return set_condition(conditions, "SpecChangeIgnored", "True", "SpecChangeIgnored", message, _iso(now))
 
 
 def _fail(patch, body, status, now, reason: str, message: str) -> None:

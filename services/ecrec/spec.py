@@ -901,7 +901,16 @@ PHASES = ("Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed")
 Phase = Literal["Pending", "Running", "Degraded", "Recovering", "Succeeded", "Failed"]
 # Condition types the operator sets (Kubeflow's, plus ECRec's two degraded states); `type` is not an enum so
 # that an older CRD never refuses a newer operator's condition.
-CONDITION_TYPES = ("Created", "Running", "Degraded", "Recovering", "Restarting", "Succeeded", "Failed")
+CONDITION_TYPES = (
+    "Created",
+    "Running",
+    "Degraded",
+    "Recovering",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "SpecChangeIgnored",  # an edit of a started job's spec that was not applied (ecrec_operator.pinning)
+)
 ShardStateName = Literal["pending", "up", "failed", "recovering"]  # ecrec.core.cluster.ShardState
 RecoveryState = Literal[
     "detected", "waiting", "running", "completed", "failed"

@@ -7,6 +7,7 @@ admin, so the RBAC rules are tested too.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -136,9 +137,29 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
         lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
         timeout=180,
     )
+    # An edit of a running job's spec is not applied (ecrec_operator.pinning): the replacement below must be
+    # rendered from the spec the job started with, and no sixth server appear. Seen by the operator first.
+    edit = {"spec": {"servers": {"replicas": 6}, "training": {"steps": 100}}}
+    kube.kubectl("patch", "ecj", name, "-n", NS, "--type", "merge", "-p", json.dumps(edit))
+
+    def ignored():
+        conds = (get_job(kube, name).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "SpecChangeIgnored" and c["status"] == "True"), None)
+
+    cond = wait_for("the edit to be reported", ignored, timeout=60)
+    assert "servers.replicas, training.steps" in cond["message"], cond
     shard = random.Random(7).randrange(5)
     (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
     kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+
+    def replaced():
+        selector = f"ecrec.dev/job={name},ecrec.dev/shard={shard}"
+        return next(
+            (p for p in pods(kube, selector) if p["metadata"]["uid"] != victim["metadata"]["uid"]), None
+        )
+
+    replacement = wait_for("the replacement pod", replaced, timeout=120)
+    sixth = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=5")
     phases: list[str] = []
 
     def finished():
@@ -158,6 +179,11 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
     # The replacement carries the shard id and the next incarnation in its name and labels.
     names = {p["metadata"]["name"] for p in pods(kube, f"ecrec.dev/job={name},ecrec.dev/shard={shard}")}
     assert f"{name}-server-{shard}-2" in names or any(n.startswith(f"{name}-server-{shard}-") for n in names)
+    # The edit: not applied to the replacement, no sixth server, the job trained its 500 steps.
+    [env] = [e["value"] for e in replacement["spec"]["containers"][0]["env"] if e["name"] == "ECREC_JOB"]
+    assert json.loads(env)["spec"]["servers"]["replicas"] == 5
+    assert not sixth, sixth
+    assert status["totalSteps"] == status["step"] == 500
     events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
     for reason in (
         "SuccessfulCreatePod",
@@ -165,6 +191,7 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
         "ReplacementCreated",
         "RecoveryStarted",
         "ECRecJobSucceeded",
+        "SpecChangeIgnored",
     ):
         assert reason in events, events
     table = kube.kubectl("get", "ecj", name, "-n", NS).stdout
