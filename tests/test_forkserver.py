@@ -59,10 +59,11 @@ def test_a_long_running_role_gets_its_environment_session_and_name_and_dies_by_s
     env = {**os.environ, "ECREC_TEST_JOB": make_ctx().to_json()}
     log = tmp_path / "server-0.log"
     argv = ["server", "--job", "env:ECREC_TEST_JOB", "--shard", "0", "--standalone"]
-    child = server.spawn(argv, env, log, "server-0")
+    child = server.spawn(argv, env, log, "server-0", cwd=tmp_path)
     wait_for("the server to serve", lambda: "serving on" in text(log))
     assert child.poll() is None
     assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "server-0"
+    assert os.readlink(f"/proc/{child.pid}/cwd") == str(tmp_path)  # the working directory asked for
     assert os.getsid(child.pid) == child.pid  # its own session: a signal to the launcher's group misses it
     assert "ECREC_TEST_JOB" not in Path(f"/proc/{server.proc.pid}/environ").read_text()
     with pytest.raises(subprocess.TimeoutExpired):

@@ -8,15 +8,16 @@ with the job (`python -m ecrec.forkserver --out OUT`), imports every role's modu
 each process the launcher asks for; the child runs `ecrec ROLE ARGS` in the interpreter it inherited.
 
 The children are real processes, as before: their own pid, session, log file and environment; SIGKILL kills
-them; the launcher sees their exit codes (128 + n for a signal n, as in a pod). Each child's parent is the
-fork server, so each has the kernel kill it when the fork server dies (PR_SET_PDEATHSIG), and the fork server
-dies with the launcher (the same, and the end of its request pipe): nothing outlives the job. In `ps` a child
-shows the fork server's command line, which names the job's out directory; its name (`ps -o comm`, `top`) is
-its own, e.g. `server-2`.
+them; the launcher sees their exit codes (-n for a signal n, as `subprocess` gives them). Each child's parent
+is the fork server, so each has the kernel kill it when the fork server dies (PR_SET_PDEATHSIG), and the fork
+server dies with the launcher (the same, and the end of its request pipe): nothing outlives the job. In `ps` a
+child shows the fork server's command line, which names the job's out directory; its name (`ps -o comm`,
+`top`) is its own, e.g. `server-2`. The test kubelet (tests/k8s/kubelet.py) starts pods' `ecrec` processes
+the same way.
 
-Wire format, one JSON object per line. Launcher -> fork server: {"argv", "env", "log", "name"}. Fork server
--> launcher: {"started": pid} or {"error": text} for each request, in order, and {"exited": pid, "code": c}
-whenever a child exits.
+Wire format, one JSON object per line. Launcher -> fork server: {"argv", "env", "log", "name"[, "cwd"]}. Fork
+server -> launcher: {"started": pid} or {"error": text} for each request, in order, and {"exited": pid,
+"code": c} whenever a child exits.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ def _become(request: dict) -> list[str]:
     os.close(log)
     os.close(null)
     _prctl(PR_SET_NAME, request["name"].encode()[:15])
+    if request.get("cwd"):
+        os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     if os.environ.get("PYTHONFAULTHANDLER"):
@@ -219,7 +222,10 @@ class Forked:
 
 
 class ForkServer:
-    """The launcher's handle on its fork server: `spawn` a role, learn when it exits, `close` at the end."""
+    """The launcher's handle on its fork server: `spawn` a role, learn when it exits, `close` at the end.
+
+    The fork server dies with the thread that made this object (PR_SET_PDEATHSIG is per thread): make it from
+    one that outlives its children, e.g. the main thread."""
 
     def __init__(self, out_dir: Path, log_path: Path, env: dict[str, str]):
         self._lock = threading.Lock()  # one request in flight: replies come in request order
@@ -260,8 +266,13 @@ class ForkServer:
             self._gone = True
             self._cond.notify_all()
 
-    def spawn(self, argv: list[str], env: dict[str, str], log_path: Path, name: str) -> Forked:
-        request = json.dumps({"argv": argv, "env": env, "log": str(log_path), "name": name}) + "\n"
+    def spawn(
+        self, argv: list[str], env: dict[str, str], log_path: Path, name: str, cwd: Path | None = None
+    ) -> Forked:
+        msg = {"argv": argv, "env": env, "log": str(log_path), "name": name}
+        if cwd is not None:
+            msg["cwd"] = str(cwd)
+        request = json.dumps(msg) + "\n"
         with self._lock:
             try:
                 self.proc.stdin.write(request.encode())

@@ -94,7 +94,10 @@ def kubelet(kube: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
     before the control plane."""
     from .kubelet import TestKubelet  # imports the kubernetes client: only where a test needs it
 
-    kl = TestKubelet(kube.kubeconfig, tmp_path_factory.mktemp("kubelet"))
+    # The job pods' processes forked from a fork server, as `ecrec local` starts them: the suite starts ~120
+    # of them, each 1-2 s of CPU in imports beside training. tests/k8s/test_helm_e2e.py's own kubelet starts
+    # every container as a new interpreter, as a real kubelet would.
+    kl = TestKubelet(kube.kubeconfig, tmp_path_factory.mktemp("kubelet"), fork_ecrec=True)
     kl.start()
     try:
         yield kl

@@ -13,7 +13,8 @@ Pending forever. `TestKubelet` registers the node `ecrec-local-0` (capacity: thi
   status.podIPs, status.hostIP; resourceFieldRef; configMapKeyRef; secretKeyRef) and `envFrom`. Images map to
   local programs in ONE place, `image_for` below: any image named `ecrec` (`ecrec:dev`, `ghcr.io/o/ecrec:1`,
   `ecrec:0.1.0-cuda`) or `ecrec-operator` is this repository's `.venv`, with the image's ENTRYPOINT (`ecrec`,
-  `ecrec-operator`); any other image fails the pod (ErrImagePull), it is never run.
+  `ecrec-operator`); any other image fails the pod (ErrImagePull), it is never run. With `fork_ecrec`, a
+  command that is the `ecrec` entrypoint is forked from a fork server (ecrec.forkserver) instead.
   Init containers run first, one after the other.
 - **gives each pod its own loopback IP** 127.0.x.y as status.podIP (never 127.0.0.0/24, nor the Service range
   127.0.10.0/24 of the API server); Linux routes all of 127/8 to `lo`, so a process binds its pod IP without
@@ -582,7 +583,10 @@ class PodWorker(threading.Thread):
                 c.state = {"running": {"startedAt": now_iso()}}
                 self._exited(c, 128, reason="StartError", message=why)
                 return
-            c.proc = spawn([exe, *argv[1:]], env, cwd, out)
+            if self.kl.fork_ecrec and Path(exe) == VENV / "bin" / "ecrec":
+                c.proc = self.kl.forked(argv[1:], env, logfile, c.name, cwd)
+            else:
+                c.proc = spawn([exe, *argv[1:]], env, cwd, out)
         c.started_mono = time.monotonic()
         c.state = {"running": {"startedAt": now_iso()}}
         c.ready = False
@@ -1284,15 +1288,23 @@ class TestKubelet:
         bind_pending: bool = True,
         stop_grace: float = 5.0,
         heartbeat_s: float = 10.0,
+        fork_ecrec: bool = False,
     ):
         """`bind_pending=False`: run only pods bound to `node_name` already (a second kubelet in one cluster);
-        `stop_grace`: seconds between SIGTERM and SIGKILL of the pods' processes on `stop()`."""
+        `stop_grace`: seconds between SIGTERM and SIGKILL of the pods' processes on `stop()`;
+        `fork_ecrec`: a container whose command is the `ecrec` image's entrypoint is forked from a fork
+        server (`ecrec.forkserver`, as `ecrec local` starts its processes) instead of starting a new
+        interpreter: the same `ecrec ROLE ARGS` with the pod's env, cwd and log, in its own session, without
+        1-2 s of CPU for imports per pod. Its children die with the kubelet's process, not with the pod's
+        worker thread."""
         self.kubeconfig = Path(kubeconfig)
         self.out_dir = Path(out_dir).resolve()
         self.node_name = node_name
         self.bind_pending = bind_pending
         self.stop_grace = stop_grace
         self.heartbeat_s = heartbeat_s
+        self.fork_ecrec = fork_ecrec
+        self._forkserver: Any = None  # ecrec.forkserver.ForkServer, with fork_ecrec, from start()
         self.ips = IPS
         self.capacity = self._capacity()
         self._stopping = threading.Event()
@@ -1306,6 +1318,10 @@ class TestKubelet:
         self.log = logging.getLogger(f"{LOGGER}.{node_name}")
         self._log_handler: logging.Handler | None = None
         self._started = False
+
+    def forked(self, argv: list[str], env: dict[str, str], log: Path, name: str, cwd: Path) -> Any:
+        """`ecrec ARGV` forked from the fork server (see `fork_ecrec`), Popen-like."""
+        return self._forkserver.spawn(argv, env, log, name, cwd=cwd)
 
     # -- API access --
     def call(self, fn, *args, **kwargs) -> Any:
@@ -1339,6 +1355,13 @@ class TestKubelet:
         self._log_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         self.log.addHandler(self._log_handler)
         self.log.setLevel(logging.INFO)
+        if self.fork_ecrec:
+            from ecrec.forkserver import ForkServer
+
+            # From this thread, which outlives every pod's: the fork server dies with the thread that started
+            # it (PR_SET_PDEATHSIG is per thread), and its children with it.
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self._forkserver = ForkServer(self.out_dir, self.out_dir / "forkserver.log", env)
         cfg = k8s.Configuration()
         k8s_config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
         cfg.connection_pool_maxsize = 64  # one worker thread per pod, each calling the API
@@ -1383,6 +1406,8 @@ class TestKubelet:
                 self.log.error("%s: worker did not stop", w.key)
         for t in self._threads:
             t.join(10)
+        if self._forkserver is not None:
+            self._forkserver.close()
         self.proxy.stop()
         try:
             self._patch_node_status(ready=False)
