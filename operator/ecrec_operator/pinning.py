@@ -7,7 +7,8 @@ wrong rows and corrupt parity. So before its first pod the operator pins the spe
 filled in) into the job's annotation `ecrec.dev/spec`, and renders, checks and reports by the pinned spec
 from then on. Only `runPolicy` is taken from the live spec, as Kubernetes Jobs let a running job's deadline,
 back-off limit and TTL be changed. Any other change is not applied and is reported (the status condition
-SpecChangeIgnored and an event); to run another spec, create another job.
+SpecChangeIgnored and an event); to run another spec, create another job. A job already running when an
+operator without pinning was replaced by this one has no pin yet: its spec as first seen is pinned then.
 """
 
 from __future__ import annotations
