@@ -11,6 +11,7 @@ import json
 import pytest
 import yaml
 
+from ecrec.spec import job_from_spec
 from ecrec_operator import handlers, pinning
 from tests.conftest import REPO
 
@@ -29,17 +30,17 @@ def edited(**paths) -> dict:
     return spec
 
 
-PINNED = pinning.pin(pinning.parse("job", SPEC))
+PINNED = pinning.pin(job_from_spec("job", SPEC))
 
 
 def test_an_unchanged_spec_resolves_to_itself_with_nothing_ignored() -> None:
     r = pinning.resolve("job", SPEC, PINNED)
     assert r.ignored == () and r.invalid is None and r.message() == ""
-    assert r.job.spec == pinning.parse("job", SPEC).spec
+    assert r.job.spec == job_from_spec("job", SPEC).spec
 
 
 def test_a_field_written_out_at_its_default_is_no_change() -> None:
-    default = pinning.parse("job", SPEC).spec.training.momentum
+    default = job_from_spec("job", SPEC).spec.training.momentum
     assert pinning.resolve("job", edited(training__momentum=default), PINNED).ignored == ()
 
 
@@ -64,8 +65,8 @@ def test_an_invalid_edit_is_reported_and_nothing_of_it_applied() -> None:
 
 def test_the_pin_is_normalized_json_of_the_whole_spec() -> None:
     doc = json.loads(PINNED)
-    assert doc == pinning.parse("job", SPEC).spec.to_dict()
-    assert PINNED == pinning.pin(pinning.parse("job", json.loads(PINNED)))  # stable through a round trip
+    assert doc == job_from_spec("job", SPEC).spec.to_dict()
+    assert PINNED == pinning.pin(job_from_spec("job", json.loads(PINNED)))  # stable through a round trip
 
 
 def test_differences_name_every_changed_leaf() -> None:

@@ -29,10 +29,10 @@ from ecrec import auth, rest
 from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile, replacements_seen
 from ecrec.data import check_data
 from ecrec.jobctx import JobContext
-from ecrec.spec import SpecError
+from ecrec.spec import SpecError, job_from_spec
 
 from . import metrics, pinning, render
-from .status import job_status
+from .status import job_status, set_condition
 
 log = logging.getLogger("ecrec_operator")
 HTTP_TIMEOUT = 3.0
@@ -198,7 +198,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     pinned = (meta.get("annotations") or {}).get(pinning.ANNOTATION)
     if pinned is None:
         try:
-            job = pinning.parse(name, spec)
+            job = job_from_spec(name, spec)
         except SpecError as e:
             # A spec the schema could not reject (cross-field rules): nothing is created.
             _fail(patch, body, status, now, "ECRecJobInvalidSpec", f"invalid spec: {e}")
@@ -507,8 +507,6 @@ def _pin(namespace: str, name: str, job) -> str:
 def _spec_condition(body, conditions: list[dict], resolved: pinning.Resolved, now) -> list[dict]:
     """SpecChangeIgnored: True, with what was not applied, while the live spec differs from the pinned one
     (an event when that starts or changes); False once it no longer does; absent if it never did."""
-    from .status import set_condition
-
     message = resolved.message()
     old = next((c for c in conditions if c.get("type") == "SpecChangeIgnored"), None)
     if not message:
@@ -521,8 +519,6 @@ def _spec_condition(body, conditions: list[dict], resolved: pinning.Resolved, no
 
 
 def _fail(patch, body, status, now, reason: str, message: str) -> None:
-    from .status import set_condition
-
     ts = _iso(now)
     patch.status["phase"] = "Failed"
     patch.status["reason"] = message

@@ -17,9 +17,7 @@ import dataclasses
 import json
 from typing import Any
 
-from ecrec.spec import Job, SpecError, job_from_dict
-
-from . import render
+from ecrec.spec import Job, SpecError, job_from_spec
 
 ANNOTATION = "ecrec.dev/spec"
 MUTABLE = ("runPolicy",)  # top-level spec sections a started job takes from the live spec
@@ -44,12 +42,6 @@ class Resolved:
         return ""
 
 
-def parse(name: str, spec: dict) -> Job:
-    """The job of a spec as the CRD stores it (raises SpecError)."""
-    doc = {"apiVersion": f"{render.GROUP}/{render.VERSION}", "kind": "ECRecJob", "metadata": {"name": name}}
-    return job_from_dict({**doc, "spec": dict(spec)})
-
-
 def pin(job: Job) -> str:
     """The annotation's value: the normalized spec, so that a field later written out at its default value
     is no change."""
@@ -61,12 +53,12 @@ def resolve(name: str, live: dict, pinned: str) -> Resolved:
     valid."""
     base = json.loads(pinned)
     try:
-        now = parse(name, live).spec.to_dict()
+        now = job_from_spec(name, live).spec.to_dict()
     except SpecError as e:
-        return Resolved(parse(name, base), (), str(e))
+        return Resolved(job_from_spec(name, base), (), str(e))
     merged = {**base, **{key: now[key] for key in MUTABLE if key in now}}
     ignored = tuple(p for p in differences(base, now) if p.split(".", 1)[0] not in MUTABLE)
-    return Resolved(parse(name, merged), ignored, None)
+    return Resolved(job_from_spec(name, merged), ignored, None)
 
 
 def differences(a: Any, b: Any, prefix: str = "") -> list[str]:

@@ -524,16 +524,9 @@ class Cluster:
 
 def _spec_counts(job: dict) -> tuple[int, int, float, str]:
     """(servers, workers, failure timeout, strategy) of the job's effective spec."""
-    from ecrec.spec import job_from_dict
+    from ecrec.spec import job_from_spec
 
-    j = job_from_dict(
-        {
-            "apiVersion": f"{ECREC_GROUP}/{ECREC_VERSION}",
-            "kind": "ECRecJob",
-            "metadata": {"name": job["metadata"]["name"]},
-            "spec": job.get("spec") or {},
-        }
-    )
+    j = job_from_spec(job["metadata"]["name"], job.get("spec") or {})
     s = j.spec
     return (
         s.servers.replicas,

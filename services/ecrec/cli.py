@@ -133,19 +133,12 @@ def cmd_verify(args) -> int:
     """Check I1 on a running job through its coordinator."""
     from ecrec.client import PSClient
     from ecrec.jobctx import JobContext
-    from ecrec.spec import job_from_dict
+    from ecrec.spec import job_from_spec
 
     url = args.coordinator.rstrip("/")
     doc = rest.get(f"{url}/v1/job", timeout=10).json()
     ctx = JobContext(
-        job_from_dict(
-            {
-                "apiVersion": "ecrec.dev/v1alpha1",
-                "kind": "ECRecJob",
-                "metadata": {"name": doc["name"]},
-                "spec": doc["spec"],
-            }
-        ),
+        job_from_spec(doc["name"], doc["spec"]),
         token=Path(args.token_file).read_text().strip() if args.token_file else auth.from_env(),
     )
     if not ctx.ecrec:

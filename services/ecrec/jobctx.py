@@ -18,7 +18,7 @@ from ecrec import auth
 from ecrec.core.optim import RowOptimizer, make_optimizer
 from ecrec.core.placement import Placement, chunk_bounds, dense_replicas
 from ecrec.model import ModelConfig
-from ecrec.spec import Job, JobSpec, job_from_dict
+from ecrec.spec import Job, JobSpec, job_from_spec
 
 
 @dataclass(frozen=True)
@@ -111,16 +111,7 @@ class JobContext:
     @classmethod
     def from_json(cls, text: str) -> JobContext:
         doc = json.loads(text)
-        return cls(
-            job_from_dict(
-                {
-                    "apiVersion": "ecrec.dev/v1alpha1",
-                    "kind": "ECRecJob",
-                    "metadata": {"name": doc["name"]},
-                    "spec": doc["spec"],
-                }
-            )
-        )
+        return cls(job_from_spec(doc["name"], doc["spec"]))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> JobContext:

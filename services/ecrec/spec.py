@@ -844,6 +844,12 @@ def job_from_dict(doc: Mapping[str, Any], overrides: Sequence[str] = ()) -> Job:
     return Job(name, parse_spec(apply_overrides(dict(spec_doc), overrides)))
 
 
+def job_from_spec(name: str, spec: Mapping[str, Any]) -> Job:
+    """The job of a stored ECRecJob, from its `metadata.name` and `spec` (as the API server, a pod's env or the
+    coordinator's /v1/job hold them)."""
+    return job_from_dict({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec})
+
+
 def apply_overrides(spec_doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of `spec_doc` with each `dotted.path=value` set; values are parsed as YAML ("10" -> 10)."""
     out = copy.deepcopy(dict(spec_doc))
