@@ -20,6 +20,7 @@ from ecrec.coordinator import (
     RegisterServer,
     RegisterWorker,
     WorkerFinished,
+    WorkerLost,
 )
 from ecrec.core.cluster import GENERATION_EPOCHS, ClusterMap, ProbeFirst, Refused, ShardState
 from ecrec.local import run_local
@@ -364,3 +365,29 @@ def test_coordinator_and_a_server_killed_at_once(tmp_path, baseline):
     assert [r["shard"] for r in report["recoveries"]] == [3]
     assert_consistent(report)
     assert report["params_sha256"] == baseline
+
+
+def test_heartbeats_name_the_worker_processes_that_are_gone_and_a_successor_still_does():
+    # Servers abort what a gone worker process left staged as soon as a heartbeat says it is gone
+    # (ShardStore.expire): a lost process, and every incarnation before a rank's current one; never a worker
+    # that is only silent (it may come back).
+    job, clock, alive, old = started_job()
+
+    def gone(coordinator) -> dict:
+        return coordinator.heartbeat(Heartbeat(shard=0, address="a0", instance="s0-1", incarnation=1))[
+            "workersGone"
+        ]
+
+    assert gone(old) == {}
+    clock.t += 5  # the worker silent for longer than the failure timeout: unresponsive, not gone
+    for s in range(3):
+        old.heartbeat(Heartbeat(shard=s, address=f"a{s}", instance=f"s{s}-1", incarnation=1))
+    old.tick()
+    assert old.progress.workers[0].unresponsive and gone(old) == {}
+    old.worker_lost(WorkerLost(rank=0, instance="w0-1", replacing=True))
+    assert gone(old) == {"0": 1}
+    old.register_worker(RegisterWorker(rank=0, instance="w0-2", incarnation=2, replacement=True))
+    assert gone(old) == {"0": 1}
+    # A successor started from the last seed knows as much.
+    new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=old.status()["resume"])
+    assert gone(new) == {"0": 1}

@@ -174,6 +174,28 @@ def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tm
     assert_consistent(report)  # what it left staged was settled: aborted, or committed where decided
 
 
+@pytest.mark.parametrize("point", ["after_stage", "before_commit"])
+def test_a_killed_workers_staged_rows_are_released_when_it_is_known_gone_not_after_txn_timeout(
+    point, tmp_path
+):
+    # Killed with its parts staged on every server (and, before_commit, their deltas at the parity servers);
+    # hot rows are in every batch, so the other worker needs them at once. The supervisor reports the death,
+    # the coordinator's heartbeats tell the servers, and they abort the dead process's parts: the job goes
+    # on. With a 120 s txnTimeout, left to the timeout the other worker would have waited on those rows until
+    # its progress timeout failed the job.
+    ctx = make_ctx(
+        "gone-worker",
+        **{**HOT, "workers__replicas": 2, "training__steps": 60},
+        faultTolerance__ecrec__txnTimeoutSeconds=120,
+        coordinator__progressTimeoutSeconds=60,
+    )
+    report = run_local(ctx, tmp_path, progress=False, fault=f"worker-1:worker:{point}@20")
+    assert report["fault"]["fired"]
+    assert report["parts_expired"]["worker_gone"] >= 1 and report["parts_expired"]["timeout"] == 0
+    assert report["samples"] == 2 * 60 * 256
+    assert_consistent(report)
+
+
 def test_verify_checks_a_running_job(tmp_path):
     import json
     import subprocess
@@ -287,6 +309,10 @@ def test_kill_times_are_seconds_or_a_step():
     assert _parse_kill("2@1.5", 5) == (2, 1.5)
     assert _parse_kill("1@step:100", 5) == (1, "step:100")
     assert _parse_kill("coordinator@3", 5) == ("coordinator", 3.0)
+    assert _parse_kill("worker-1@step:20", 5, num_workers=2) == ("worker-1", "step:20")
+    for bad in ("worker-2@1", "worker-x@1", "worker@1"):
+        with pytest.raises(ValueError, match="--kill"):
+            _parse_kill(bad, 5, num_workers=2)
 
 
 def test_a_kill_the_job_finished_before_is_reported_as_missed(tmp_path):

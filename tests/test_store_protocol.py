@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ecrec import store as store_mod
-from ecrec.core.update import txn_age
+from ecrec.core.update import WorkerFence, txn_age, txn_worker
 from ecrec.jobctx import JobContext
 from ecrec.store import Busy, NotOwner, PeerFailed
 from tests.conftest import make_ctx
@@ -386,6 +386,20 @@ def test_txn_age_orders_worker_steps_by_step_then_rank_and_ignores_the_attempt()
     assert txn_age("w0i2-8/1.-1.0") != txn_age("w0-8/1.-1.0")  # another incarnation: a distinct txn
     assert txn_age("w0-8r3/1.-1.0") < txn_age("w0-9/1.-1.0")  # after a rollback (r<checkpoint>)
     assert txn_age("w9-99999/0.-1.0") < txn_age("push:1") and txn_age("a/1") < txn_age("b/1")
+
+
+def test_the_worker_fence_names_the_processes_the_coordinator_says_are_gone():
+    assert txn_worker("w3-7/0.-1.0") == (3, 1) and txn_worker("w3i12-7r2/0.-1.0") == (3, 12)
+    assert txn_worker("push:1") is None and txn_worker("x/1.-1.0") is None
+    fence = WorkerFence()
+    assert not fence.fenced("w0-1/0.-1.0") and not fence.fenced("push:1")
+    assert fence.update({"0": 1, "2": 2}) and not fence.update({0: 1, 2: 1})  # it only grows
+    assert fence.fenced("w0-1/0.-1.0") and not fence.fenced("w0i2-1/0.-1.0")
+    assert (
+        fence.fenced("w2i2-5/0.-1.0")
+        and not fence.fenced("w2i3-5/0.-1.0")
+        and not fence.fenced("w1-5/0.-1.0")
+    )
 
 
 def _until_waiting(store, n: int = 1) -> None:
@@ -979,6 +993,54 @@ def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
     commit_part(net, S, "again/1", stage_part(net, S, "again/1", g, grads))
     assert logical_model(net).versions[g].tolist() == [1] * 40
     assert_parity_ok(net)
+
+
+def test_a_part_of_a_worker_process_known_gone_is_aborted_at_once_and_only_its(ctx):
+    # The coordinator says rank 1's first process is gone (lost, or replaced by incarnation 2): its staged
+    # part is aborted at the next expire, long before txnTimeout; rank 1's new process and rank 0 are not.
+    net = Net(ctx, txn_timeout=60.0)
+    dead, g, grads = part_at(ctx, S, 40, step="w1-7")
+    live, g2, grads2 = part_at(ctx, S, 40, step="w1i2-8", seed=6)
+    other, g3, grads3 = part_at(ctx, S, 40, step="w0-8", seed=7)
+    g2, g3 = g2 + N * 40, g3 + N * 80  # other rows of S
+    before = logical_model(net)
+    staged = {
+        p.txn: stage_part(net, S, p.txn, *a)
+        for p, *a in ((dead, g, grads), (live, g2, grads2), (other, g3, grads3))
+    }
+    assert net[S].expire() == []
+    assert net[S].fence_workers({"1": 1}) and not net[S].fence_workers({"1": 1, "0": 0})
+    assert net[S].expire() == [dead.txn]
+    assert net[S].stats["expired_worker_gone"] == 1 and net[S].stats["expired_timeout"] == 0
+    assert not net[S].rows.locks.busy(dead.pos) and set(net[S].rows.staged) == {live.txn, other.txn}
+    for b in staged[dead.txn].batches:  # the aborted part's parity servers were told at once
+        assert net[b.parity_server].parity.resolved[(dead.txn, S)] == "aborted"
+    # the dead process's late commit is refused; the live parts commit as usual
+    assert net.call(WORKER, S, "commit", dead.txn) == "aborted"
+    for p in (live, other):
+        assert commit_part(net, S, p.txn, staged[p.txn]) == "committed"
+    versions = logical_model(net).versions
+    assert versions[g].tolist() == before.versions[g].tolist() and versions[g2].tolist() == [1] * 40
+    assert net.staged_total() == 0
+    assert_parity_ok(net)
+
+
+def test_parity_servers_settle_deltas_of_a_worker_process_known_gone_at_once(ctx):
+    # Committed at the data server, then the worker died before its decisions reached the parity servers:
+    # once the coordinator says so they ask the data server at once instead of after txnTimeout.
+    net, twin = Net(ctx, txn_timeout=60.0), Net(ctx)
+    part, g, grads = part_at(ctx, S, 40, step="w0-3")
+    staged = stage_part(net, S, part.txn, g, grads)
+    assert net.call(WORKER, S, "commit", part.txn) == "committed"
+    for b in staged.batches:
+        q = b.parity_server
+        net[q].expire()
+        assert (part.txn, S) in net[q].parity.staged  # nobody knows the worker died
+        net[q].fence_workers({"0": 1})
+        net[q].expire()  # asks S: committed
+        assert net[q].parity.resolved[(part.txn, S)] == "committed"
+    commit_part(twin, S, part.txn, stage_part(twin, S, part.txn, g, grads))
+    assert_fully_recovered(net, twin)
 
 
 def test_parity_servers_settle_deltas_of_a_committed_part_whose_worker_died_by_asking_the_data_server(ctx):

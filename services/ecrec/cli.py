@@ -31,11 +31,11 @@ def cmd_local(args) -> int:
     console = Console(stderr=True)
     ctx = _job(args)
     try:
-        kills = [_parse_kill(k, ctx.num_servers) for k in args.kill or ()]
+        kills = [_parse_kill(k, ctx.num_servers, ctx.spec.workers.replicas) for k in args.kill or ()]
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
-    server_kills = any(target != "coordinator" for target, _at in kills)
+    server_kills = any(isinstance(target, int) for target, _at in kills)
     if (server_kills or args.chaos) and ctx.spec.fault_tolerance.strategy == "none":
         console.print(
             "[red]error:[/] killing servers (--kill/--chaos) needs a faultTolerance.strategy other than "
@@ -114,18 +114,30 @@ def cmd_local(args) -> int:
     return 0
 
 
-def _parse_kill(text: str, num_servers: int) -> tuple[int | str, float | str]:
+def _parse_kill(text: str, num_servers: int, num_workers: int = 1) -> tuple[int | str, float | str]:
+    """A --kill: (shard id, or "coordinator", or "worker-<rank>"; seconds, or "step:N")."""
     target, sep, at = text.partition("@")
     try:
-        s = target if target == "coordinator" else int(target)
+        if target == "coordinator":
+            s: int | str = target
+        elif target.startswith("worker-"):
+            s = f"worker-{int(target[7:])}"
+        else:
+            s = int(target)
         t: float | str = f"step:{int(at[5:])}" if at.startswith("step:") else float(at)
     except ValueError:
         raise ValueError(
-            f"--kill {text!r}: expected SHARD@SECONDS, SHARD@step:N or coordinator@SECONDS, e.g. 1@10"
+            f"--kill {text!r}: expected SHARD@SECONDS, SHARD@step:N, worker-RANK@SECONDS or coordinator@SECONDS, "
+            "e.g. 1@10"
         ) from None
     at_ok = int(t[5:]) >= 0 if isinstance(t, str) else t >= 0
-    if not sep or (s != "coordinator" and not 0 <= s < num_servers) or not at_ok:
-        raise ValueError(f"--kill {text!r}: shard must be in [0, {num_servers}) and seconds or step >= 0")
+    shard_ok = not isinstance(s, int) or 0 <= s < num_servers
+    rank_ok = not (isinstance(s, str) and s.startswith("worker-")) or 0 <= int(s[7:]) < num_workers
+    if not sep or not shard_ok or not rank_ok or not at_ok:
+        raise ValueError(
+            f"--kill {text!r}: shard must be in [0, {num_servers}), a worker's rank in [0, {num_workers}), and "
+            "seconds or step >= 0"
+        )
     return s, t
 
 
@@ -340,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill",
         action="append",
         metavar="SHARD@SECONDS",
-        help="SIGKILL that server's process (or the coordinator's: coordinator@SECONDS) this long after "
-        "training started, or once training reached a step (SHARD@step:N) (repeatable)",
+        help="SIGKILL that server's process (or a worker's: worker-RANK@SECONDS, or the coordinator's: "
+        "coordinator@SECONDS) this long after training started, or once training reached a step "
+        "(SHARD@step:N) (repeatable)",
     )
     p.add_argument(
         "--chaos",

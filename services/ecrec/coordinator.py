@@ -195,6 +195,17 @@ class JobProgress:
     def total_samples(self) -> int:
         return sum(w.samples for w in self.workers.values())
 
+    def workers_gone(self) -> dict[str, int]:
+        """rank -> the newest incarnation of it whose process is gone: reported lost, or replaced by a newer
+        one (admitted only once its predecessor was reported lost). Servers abort what those left staged at
+        once (ShardStore.expire); a worker that is merely silent is not in it (it may come back)."""
+        out = {}
+        for rank, w in self.workers.items():
+            gone = w.incarnation if w.lost else w.incarnation - 1
+            if gone > 0:
+                out[str(rank)] = gone
+        return out
+
     def rel(self, at: float) -> float:
         return round(at - (self.started_at or at), 3)
 
@@ -436,7 +447,12 @@ class Coordinator:
         with self.lock:
             if ok:
                 self.cpu.report("server", req.instance, req.cpuSeconds)
-            return {"ok": ok, "epoch": self.cluster.epoch, "cluster": self.cluster.snapshot()}
+            return {
+                "ok": ok,
+                "epoch": self.cluster.epoch,
+                "cluster": self.cluster.snapshot(),
+                "workersGone": self.progress.workers_gone(),
+            }
 
     def _rejoin_server(self, req: Heartbeat) -> bool:
         """A server this coordinator's seed does not list (it registered after the seed was written): admit

@@ -386,6 +386,14 @@ class Supervisor:
                 if cluster.children["coordinator"].alive:
                     cluster.kill("coordinator")
                 continue
+            if isinstance(target, str):  # "worker-<rank>": reported lost and replaced by `reconcile`
+                if cluster.children[target].alive:
+                    at = time.time()
+                    cluster.kill(target)
+                    self.events.append(
+                        {"kind": "worker_killed", "at": at, "detail": {"rank": int(target[7:])}}
+                    )
+                continue
             name = f"server-{target}"
             if cluster.children[name].alive:
                 # the time before the signal: a worker can see the dead server and the coordinator declare it
@@ -548,6 +556,7 @@ def run_local(
         scraped = scrape_servers(served_by)
         extra["rpcs_served"] = rpcs_served(served_by, scraped)
         extra["server_load"] = server_load(served_by, status.get("serverCpuSeconds") or {}, scraped)
+        extra["parts_expired"] = parts_expired(scraped)
         client = PSClient(ctx, cluster.get("/cluster"))
         try:
             if ctx.ecrec:
@@ -662,6 +671,16 @@ def rpcs_served(cluster: dict, scraped: dict[int, list] | None = None) -> dict[s
         for method, n in _sum_by_label(families, "ecrec_rpc_latency_seconds", "_count", "method").items():
             out[method] = out.get(method, 0) + n
     return dict(sorted(out.items()))
+
+
+def parts_expired(scraped: dict[int, list]) -> dict[str, int]:
+    """Staged parts the live servers aborted because their worker never decided them, by how its death was
+    known (worker_gone: the coordinator said so; timeout: txnTimeoutSeconds), summed over servers."""
+    out = {"worker_gone": 0, "timeout": 0}
+    for families in scraped.values():
+        for reason, n in _sum_by_label(families, "ecrec_server_parts_expired", "_total", "reason").items():
+            out[reason] = out.get(reason, 0) + n
+    return out
 
 
 def server_rows(cluster: dict, scraped: dict[int, list] | None = None) -> list[dict]:

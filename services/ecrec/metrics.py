@@ -363,6 +363,16 @@ class StoreCollector:
             if store is not None:
                 c.add_metric(values, store.stats[key])
             yield c
+        c = CounterMetricFamily(
+            "ecrec_server_parts_expired",
+            "Staged parts aborted because their worker never decided them, by how its death was known: "
+            "worker_gone (the coordinator said its process is gone) or timeout (txnTimeoutSeconds passed)",
+            labels=[*names, "reason"],
+        )
+        if store is not None:
+            for reason in ("worker_gone", "timeout"):
+                c.add_metric([*values, reason], store.stats[f"expired_{reason}"])
+        yield c
         g = GaugeMetricFamily("ecrec_server_staged", "Undecided 2PC state on this server", labels=names)
         if store is not None:
             g.add_metric(values, store.staged_count())

@@ -789,7 +789,11 @@ class CoordinatorLink:
                     raise
                 time.sleep(0.2)
 
-    def heartbeat_forever(self, servicer: ParameterServicer, stop: threading.Event) -> None:
+    def heartbeat_forever(
+        self, servicer: ParameterServicer, stop: threading.Event, expire_now: threading.Event | None = None
+    ) -> None:
+        """Heartbeats until `stop`; each answer brings the map and the worker processes known to be gone, and
+        `expire_now` is set when one of those is new (what it staged here is settled at once)."""
         store = servicer.store
         while not stop.wait(self.interval):
             try:
@@ -821,6 +825,13 @@ class CoordinatorLink:
             servicer.view.update(body["cluster"])
             store.epoch = max(store.epoch, int(body["epoch"]))
             servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
+            try:
+                fenced = store.fence_workers(body.get("workersGone") or {})
+            except (AttributeError, TypeError, ValueError) as e:  # a malformed list must not stop heartbeats
+                log.warning("heartbeat: ignoring workersGone %r: %s", body.get("workersGone"), e)
+                fenced = False
+            if fenced and expire_now is not None:
+                expire_now.set()
 
 
 def wait_as_spare(
@@ -885,10 +896,16 @@ def warm_up(ctx: JobContext) -> None:
     rest.tls_context()
 
 
-def expire_forever(store, interval: float, stop: threading.Event) -> None:
-    """Settle transactions whose worker went silent (ShardStore.expire), on a thread of its own: settling
-    calls peers and the coordinator with long timeouts, and must never hold up the heartbeats."""
-    while not stop.wait(interval):
+def expire_forever(store, interval: float, stop: threading.Event, now: threading.Event | None = None) -> None:
+    """Settle transactions whose worker went silent or is gone (ShardStore.expire), every `interval` and at
+    once when `now` is set, on a thread of its own: settling calls peers and the coordinator with long
+    timeouts, and must never hold up the heartbeats."""
+    now = now or threading.Event()
+    while not stop.is_set():
+        now.wait(interval)
+        now.clear()
+        if stop.is_set():
+            return
         try:
             store.expire()
         except Exception:  # noqa: BLE001 - an abort that cannot reach a peer is retried next time
@@ -990,9 +1007,12 @@ def main(argv: list[str] | None = None) -> None:
         serving.set()
         view.update(body["cluster"])
         store.epoch = int(body["epoch"])
-        threading.Thread(target=link.heartbeat_forever, args=(servicer, stop), daemon=True).start()
+        expire_now = threading.Event()
         threading.Thread(
-            target=expire_forever, args=(store, link.interval, stop), daemon=True, name="expire"
+            target=link.heartbeat_forever, args=(servicer, stop, expire_now), daemon=True
+        ).start()
+        threading.Thread(
+            target=expire_forever, args=(store, link.interval, stop, expire_now), daemon=True, name="expire"
         ).start()
     while not stop.wait(0.5):  # a bounded wait keeps the main thread responsive to signals
         pass

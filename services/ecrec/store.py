@@ -29,7 +29,7 @@ from ecrec.core.dense import DenseReplicas
 from ecrec.core.snapshots import ShardSnapshots
 from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant, RowLocks
-from ecrec.core.update import step_of, txn_age
+from ecrec.core.update import WorkerFence, step_of, txn_age
 from ecrec.core.vec import all_unique, in_range
 from ecrec.faults import fault_point
 from ecrec.jobctx import JobContext
@@ -220,7 +220,15 @@ class ShardStore:
         self.parity_rebuilding = torch.zeros(n_par, dtype=torch.bool)
         self.dense_copying_in: set[int] = set()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
-        self.stats = {"degraded_rows": 0, "buffered": 0, "rows_recovered": 0}
+        self.stats = {
+            "degraded_rows": 0,
+            "buffered": 0,
+            "rows_recovered": 0,
+            "expired_worker_gone": 0,
+            "expired_timeout": 0,
+        }
+        # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
+        self.fence = WorkerFence()
         self.waiting = 0  # requests in _wait now (bounded by MAX_WAITING)
 
     @property
@@ -956,21 +964,33 @@ class ShardStore:
         fault_point("decide:after_apply")
         return out
 
+    def fence_workers(self, gone: dict) -> bool:
+        """The coordinator's word on which worker processes are gone (rank -> newest incarnation gone); True
+        if it names one not known before: then `expire` has work to do now."""
+        with self.lock:
+            return self.fence.update(gone)
+
     def expire(self) -> list[str]:
         """Resolve what a dead worker left undecided (I4): abort its parts staged here, and settle deltas
-        staged here by asking their data server what it decided."""
+        staged here by asking their data server what it decided. A worker is known dead when its part has
+        waited `txn_timeout` for a decision, or at once when the coordinator says its process is gone (the
+        fence): its staged rows would otherwise hold up every worker that needs them until the timeout."""
         with self.lock:
             now = self.clock()
-            stale = list(self.rows.expired(now, self.txn_timeout))
+            gone = self.fence.fenced
+            stale = list(self.rows.expired(now, self.txn_timeout, gone))
             # degraded writes whose worker died expire too, or the failed shard's rows would stay locked
-            stale += self.acting.expired(now, self.txn_timeout)
+            stale += self.acting.expired(now, self.txn_timeout, gone)
             undecided = [
                 (key, now - self.parity.staged_at[key])
-                for key in self.parity.expired(now, self.txn_timeout)
+                for key in self.parity.expired(now, self.txn_timeout, gone)
                 if key[0] not in self.acting  # this server's own degraded writes: aborted above
             ]
+            reasons = {txn: "expired_worker_gone" if gone(txn) else "expired_timeout" for txn in stale}
         for txn in stale:
-            self.abort(txn)
+            if self.abort(txn) == "aborted":
+                with self.lock:
+                    self.stats[reasons[txn]] += 1
         for (txn, src), age in undecided:
             self._settle(txn, src, age)
         if self.ctx.spec.fault_tolerance.ecrec.two_phase_commit:  # without 2PC deltas are never staged here

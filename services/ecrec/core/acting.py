@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ecrec.core.txn import RowLocks
+from ecrec.core.txn import RowLocks, never_gone
 
 
 @dataclass
@@ -122,10 +122,10 @@ class ActingHome:
             self.locks[w.src].unlock(txn)
         return w
 
-    def expired(self, now: float, timeout: float) -> list[str]:
-        """Writes whose worker never decided them (it died): aborted by the caller, or the failed shard's
-        rows would stay locked."""
-        return [t for t, w in self.staged.items() if now - w.staged_at > timeout]
+    def expired(self, now: float, timeout: float, gone: Callable[[str], bool] = never_gone) -> list[str]:
+        """Writes whose worker never decided them (it died: `timeout` passed, or its process is known to be
+        `gone`): aborted by the caller, or the failed shard's rows would stay locked."""
+        return [t for t, w in self.staged.items() if now - w.staged_at > timeout or gone(t)]
 
     # -- materialized rows ----------------------------------------------------------------------------------
     def begin(self, src: int, key) -> None:

@@ -26,6 +26,11 @@ from ecrec.core.placement import Placement
 from ecrec.core.vec import all_unique
 
 
+def never_gone(txn: str) -> bool:
+    """No worker process is known to be gone (the default of the `expired` methods)."""
+    return False
+
+
 class RowsBusy(Exception):
     """Some requested rows are staged by another transaction (or locked for recovery): wait and retry."""
 
@@ -169,9 +174,10 @@ class DataParticipant:
         self.locks.unlock(txn)
         return part
 
-    def expired(self, now: float, timeout: float) -> list[str]:
-        """Parts whose worker never committed (it died): the adapter aborts them."""
-        return [t for t, p in self.staged.items() if now - p.staged_at > timeout]
+    def expired(self, now: float, timeout: float, gone: Callable[[str], bool] = never_gone) -> list[str]:
+        """Parts whose worker never committed (it died): staged for longer than `timeout`, or staged by a
+        worker process known to be `gone`. The adapter aborts them."""
+        return [t for t, p in self.staged.items() if now - p.staged_at > timeout or gone(t)]
 
 
 @dataclass
@@ -219,9 +225,12 @@ class ParityParticipant:
         self._resolve(key, "committed")
         return "committed"
 
-    def expired(self, now: float, timeout: float) -> list[tuple[str, int]]:
-        """(txn, src) of deltas undecided for longer than `timeout`: the adapter asks their data server."""
-        return [key for key, at in self.staged_at.items() if now - at > timeout]
+    def expired(
+        self, now: float, timeout: float, gone: Callable[[str], bool] = never_gone
+    ) -> list[tuple[str, int]]:
+        """(txn, src) of deltas undecided for longer than `timeout`, or staged by a worker process known to be
+        `gone` (it will never deliver the decision): the adapter asks their data server."""
+        return [key for key, at in self.staged_at.items() if now - at > timeout or gone(key[0])]
 
     def staged_members(self, src: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
         """(txn, parity index, slot) of deltas from `src` still undecided: those rows are busy."""

@@ -44,7 +44,7 @@ def step_of(txn: str) -> str:
     return txn.split("/", 1)[0]
 
 
-_STEP = re.compile(r"w(\d{1,6})(?:i\d{1,6})?-(\d{1,12})")
+_STEP = re.compile(r"w(\d{1,6})(?:i(\d{1,6}))?-(\d{1,12})")
 _YOUNGEST = 1 << 62
 
 
@@ -57,7 +57,41 @@ def txn_age(txn: str) -> tuple[int, int, str]:
     m = _STEP.match(step)
     if m is None:
         return (_YOUNGEST, 0, txn)
-    return (int(m.group(2)), int(m.group(1)), step)
+    return (int(m.group(3)), int(m.group(1)), step)
+
+
+def txn_worker(txn: str) -> tuple[int, int] | None:
+    """(rank, incarnation) of the worker process whose step `txn` belongs to ("w<rank>[i<incarnation>]-...";
+    no "i" is incarnation 1); None for other ids (tests, pushes)."""
+    m = _STEP.match(step_of(txn))
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2) or 1)
+
+
+@dataclass
+class WorkerFence:
+    """Worker processes known to be gone, as the coordinator says (docs/protocol.md, "A worker that dies"):
+    rank -> the newest incarnation of that rank whose process died or was replaced. What such a process left
+    staged will never be committed by it, so a server aborts or settles it at once instead of after
+    txnTimeout. Only grows: a process that is gone stays gone."""
+
+    gone: dict[int, int] = field(default_factory=dict)
+
+    def update(self, gone: Mapping[int, int]) -> bool:
+        """Take the coordinator's word; True if some process is newly known gone."""
+        changed = False
+        for rank, inc in gone.items():
+            rank, inc = int(rank), int(inc)
+            if inc > self.gone.get(rank, 0):
+                self.gone[rank] = inc
+                changed = True
+        return changed
+
+    def fenced(self, txn: str) -> bool:
+        """Did the worker process that staged `txn` die (or get replaced)?"""
+        w = txn_worker(txn)
+        return w is not None and w[1] <= self.gone.get(w[0], 0)
 
 
 @dataclass
