@@ -995,7 +995,7 @@ def test_expired_stage_is_aborted_and_its_rows_and_deltas_released(ctx):
     assert_parity_ok(net)
 
 
-def test_a_part_of_a_worker_process_known_gone_is_aborted_at_once_and_only_its(ctx):
+def test_a_part_of_a_worker_process_known_gone_is_aborted_at_once_and_no_other_part(ctx):
     # The coordinator says rank 1's first process is gone (lost, or replaced by incarnation 2): its staged
     # part is aborted at the next expire, long before txnTimeout; rank 1's new process and rank 0 are not.
     net = Net(ctx, txn_timeout=60.0)
