@@ -6,8 +6,6 @@ end-to-end half (tests/test_stray_jobs.py) sends the same kinds of requests to l
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
@@ -339,37 +337,6 @@ def test_recover_only_on_a_replacement_under_recovery_and_inside_its_table():
             "kind",
         )
         assert not bool(rep.store.row_ready.any())  # nothing was touched
-    finally:
-        rep.close()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
-def test_a_rebuild_step_runs_at_lower_priority_and_keeps_its_callers_deadline(monkeypatch):
-    # Recover's work yields the cores to what training waits for (pulls, stages); it still ends when its
-    # caller stops waiting (ShardStore._wait reads the caller from a context variable).
-    from ecrec import server as server_mod
-    from ecrec.store import CALLER
-
-    seen = {}
-
-    def rebuild_rows(index):
-        tid = threading.get_native_id()
-        seen.update(
-            thread=threading.current_thread().name,
-            nice=os.getpriority(os.PRIO_PROCESS, tid),
-            caller=CALLER.get(),
-            rows=index.numel(),
-        )
-        return index.numel()
-
-    rep = Served(shard=2, replacement=True, states={2: "recovering"})
-    try:
-        monkeypatch.setattr(rep.store, "rebuild_rows", rebuild_rows)
-        resp = rep.stub.Recover(pb.RecoverRequest(epoch=3, kind=pb.DATA, start=0, count=10), timeout=30)
-        assert resp.rows == 10 and seen["rows"] == 10
-        assert seen["thread"].startswith("rebuild")
-        assert seen["nice"] == os.getpriority(os.PRIO_PROCESS, 0) + server_mod.REBUILD_NICE
-        assert seen["caller"] is not None and seen["caller"].deadline is not None
     finally:
         rep.close()
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import contextvars
 import functools
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -317,10 +315,6 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self._writes: dict[int, futures.Future] = {}
         self._writes_lock = threading.Lock()
         self.streams = StreamEndpoint(self)  # the Calls stream runs the methods below, one message each
-        # A replacement's lock-group rebuild (Recover) runs on threads of lower priority than the requests
-        # training waits for (docs/benchmarks.md, "A rebuild at lower priority"); made on first use.
-        self._rebuild_pool: futures.ThreadPoolExecutor | None = None
-        self._rebuild_pool_lock = threading.Lock()
 
     def Calls(self, request_iterator, context):
         """Unary calls as messages on a long-lived stream (ecrec.streams)."""
@@ -594,27 +588,15 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
                 )
             index = torch.arange(request.start, request.start + request.count, dtype=torch.int64)
         if request.kind == pb.DATA:
-            n = self._rebuild(s.rebuild_rows, index)
+            n = s.rebuild_rows(index)
             self.metrics.of(self.metrics.rows_recovered).inc(n)
         elif request.kind == pb.PARITY:
-            n = self._rebuild(s.rebuild_parity, index)
+            n = s.rebuild_parity(index)
         else:
-            n = self._rebuild(s.copy_dense)
+            n = s.copy_dense()
         return pb.RecoverResponse(
             rows=n, seconds=time.perf_counter() - start, rows_total=s.stats["rows_recovered"]
         )
-
-    def _rebuild(self, step, *args):
-        """Run one rebuild step on a low-priority thread and wait for it (the caller's deadline goes along:
-        ShardStore._wait reads it). Rows a pull or stage needs before their group is reached are rebuilt on
-        demand by that request's own thread, at normal priority: training waits for those."""
-        with self._rebuild_pool_lock:
-            if self._rebuild_pool is None:
-                # three: the dense, data and parity steps of a rebuild run side by side
-                self._rebuild_pool = futures.ThreadPoolExecutor(
-                    3, thread_name_prefix="rebuild", initializer=lower_priority, initargs=(REBUILD_NICE,)
-                )
-        return self._rebuild_pool.submit(contextvars.copy_context().run, step, *args).result()
 
     @rpc("CopyDense", check_epoch=False)
     def CopyDense(self, request, context):
@@ -725,24 +707,6 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         except CheckpointError as e:
             raise WrongState(str(e)) from e
         return pb.RestoreResponse(rows=rows, seconds=time.perf_counter() - start)
-
-
-# The nice value of a replacement's rebuild threads. On two cores shared by every process, a rebuild at nice 10
-# cost 15-18% less training than one at the workers' priority (model scales x1 and x4, three runs each) and
-# recovered no later: it waits mostly on its peers' reads. Nice 19 was not better (docs/benchmarks.md).
-REBUILD_NICE = 10
-
-
-def lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by `nice` (Linux: a thread id names one thread to setpriority;
-    elsewhere it would name a process, so nothing is done). Lowering a priority needs no privilege."""
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:  # a container that forbids it: the rebuild runs at normal priority
-        log.warning("could not lower the rebuild threads' priority: %s", e)
 
 
 def _checkpoint_answer(entry: dict, rows: int, start: float):
