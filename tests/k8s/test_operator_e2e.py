@@ -151,8 +151,16 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
     shard = random.Random(7).randrange(5)
     (victim,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
     kube.kubectl("delete", "pod", "-n", NS, victim["metadata"]["name"], "--wait=false")
+    phases: list[str] = []  # every phase seen from the delete on (a recovery can be over in a second)
+
+    def phase() -> dict:
+        st = get_job(kube, name).get("status") or {}
+        if not phases or phases[-1] != st.get("phase"):
+            phases.append(st.get("phase"))
+        return st
 
     def replaced():
+        phase()
         selector = f"ecrec.dev/job={name},ecrec.dev/shard={shard}"
         return next(
             (p for p in pods(kube, selector) if p["metadata"]["uid"] != victim["metadata"]["uid"]), None
@@ -160,12 +168,9 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
 
     replacement = wait_for("the replacement pod", replaced, timeout=120)
     sixth = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=5")
-    phases: list[str] = []
 
     def finished():
-        st = get_job(kube, name).get("status") or {}
-        if not phases or phases[-1] != st.get("phase"):
-            phases.append(st.get("phase"))
+        st = phase()
         assert st.get("phase") != "Failed", st
         return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
 
