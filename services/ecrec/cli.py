@@ -121,7 +121,7 @@ def _parse_kill(text: str, num_servers: int, num_workers: int = 1) -> tuple[int 
         if target == "coordinator":
             s: int | str = target
         elif target.startswith("worker-"):
-            s = f"worker-{int(target[7:])}"
+            s = f"worker-{int(target.removeprefix('worker-'))}"
         else:
             s = int(target)
         t: float | str = f"step:{int(at[5:])}" if at.startswith("step:") else float(at)
@@ -132,7 +132,10 @@ def _parse_kill(text: str, num_servers: int, num_workers: int = 1) -> tuple[int 
         ) from None
     at_ok = int(t[5:]) >= 0 if isinstance(t, str) else t >= 0
     shard_ok = not isinstance(s, int) or 0 <= s < num_servers
-    rank_ok = not (isinstance(s, str) and s.startswith("worker-")) or 0 <= int(s[7:]) < num_workers
+    rank_ok = (
+        not (isinstance(s, str) and s.startswith("worker-"))
+        or 0 <= int(s.removeprefix("worker-")) < num_workers
+    )
     if not sep or not shard_ok or not rank_ok or not at_ok:
         raise ValueError(
             f"--kill {text!r}: shard must be in [0, {num_servers}), a worker's rank in [0, {num_workers}), and "

@@ -391,7 +391,11 @@ class Supervisor:
                     at = time.time()
                     cluster.kill(target)
                     self.events.append(
-                        {"kind": "worker_killed", "at": at, "detail": {"rank": int(target[7:])}}
+                        {
+                            "kind": "worker_killed",
+                            "at": at,
+                            "detail": {"rank": int(target.removeprefix("worker-"))},
+                        }
                     )
                 continue
             name = f"server-{target}"
@@ -666,20 +670,24 @@ def rpcs_served(cluster: dict, scraped: dict[int, list] | None = None) -> dict[s
     """RPCs the live server processes have served, by method, summed over servers (from their /metrics).
 
     Counts both worker -> server and server -> server calls: the message cost of a configuration."""
-    out: dict[str, int] = {}
-    for families in (scraped if scraped is not None else scrape_servers(cluster)).values():
-        for method, n in _sum_by_label(families, "ecrec_rpc_latency_seconds", "_count", "method").items():
-            out[method] = out.get(method, 0) + n
-    return dict(sorted(out.items()))
+    scraped = scraped if scraped is not None else scrape_servers(cluster)
+    return dict(sorted(_sum_over_servers(scraped, "ecrec_rpc_latency_seconds", "_count", "method").items()))
 
 
 def parts_expired(scraped: dict[int, list]) -> dict[str, int]:
     """Staged parts the live servers aborted because their worker never decided them, by how its death was
     known (worker_gone: the coordinator said so; timeout: txnTimeoutSeconds), summed over servers."""
-    out = {"worker_gone": 0, "timeout": 0}
+    return {"worker_gone": 0, "timeout": 0} | _sum_over_servers(
+        scraped, "ecrec_server_parts_expired", "_total", "reason"
+    )
+
+
+def _sum_over_servers(scraped: dict[int, list], family: str, suffix: str, label: str) -> dict[str, int]:
+    """One labelled counter of every server's scrape, by label value, summed over the servers."""
+    out: dict[str, int] = {}
     for families in scraped.values():
-        for reason, n in _sum_by_label(families, "ecrec_server_parts_expired", "_total", "reason").items():
-            out[reason] = out.get(reason, 0) + n
+        for value, n in _sum_by_label(families, family, suffix, label).items():
+            out[value] = out.get(value, 0) + n
     return out
 
 

@@ -21,6 +21,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from ecrec.chaos import parse_time
+
 from . import util
 from .testenv import REPO
 from .util import wait_for
@@ -175,10 +177,17 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
         return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
 
     status = wait_for("the job to succeed", finished, timeout=300)
-    assert "Degraded" in phases or "Recovering" in phases, phases
+    # Whether the samples catch Degraded or Recovering is luck: the operator writes the phase once a second and
+    # this tiny model's shard is lost and rebuilt within one or two (1.85 s in one run here; a CI run's samples
+    # saw only Running, Succeeded). The recovery record is what lasts: lost, then a step and the rebuild, both
+    # before the job finished.
+    assert set(phases) <= {"Running", "Degraded", "Recovering", "Succeeded"}, phases
     assert status["replacements"] >= 1
     recs = [r for r in status["recoveries"] if r["shard"] == shard]
     assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status["recoveries"]
+    at = {k: parse_time(v) for k, v in recs[-1].items() if k.endswith("At")}
+    done = parse_time(status["completionTime"])
+    assert at["detectedAt"] <= at["continuedAt"] < done and at["detectedAt"] <= at["completedAt"] < done, recs
     assert status["parityCheck"]["mismatches"] == 0 and status["parityCheck"]["stripes"] > 0
     assert 0.5 < status["eval"]["auc"] <= 1.0
     # The replacement carries the shard id and the next incarnation in its name and labels.
