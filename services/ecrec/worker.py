@@ -256,6 +256,11 @@ class ProgressReporter:
         # rollback carry pre-rollback counters until it resumes, and must not count once the restore is done.
         self.resumed = 0
         self.lock = threading.Lock()  # one report's counters are of one moment (see Holds._stop)
+        # One report on the wire at a time, sent in the order they were read: the loop's and post_now's reports
+        # race otherwise, and a report that reaches the coordinator after a later one is behind its last step:
+        # refused, as from a process it does not know (seen under load: the worker's reporter thread died).
+        self._sending = threading.Lock()
+        self._refused: SystemExit | None = None  # the coordinator refused this process (from the loop)
         self.done = False  # all steps trained (a rollback can undo it)
         self.control: dict | None = None
         self._stop = threading.Event()
@@ -266,12 +271,18 @@ class ProgressReporter:
 
     def stepped(self, step: int, samples: int, loss: float, at: float) -> None:
         """A step completed at wall-clock time `at`."""
+        if self._refused is not None:  # the worker ends as it would had the training thread been refused
+            raise self._refused
         with self.lock:
             self.step, self.samples, self.loss, self.last_step_at = step, samples, loss, at
             self.step_times.append(at)
 
     def _post(self, done: bool | None = None, error: str | None = None) -> None:
         """One report; `done` None: as the counters say (read with them)."""
+        with self._sending:
+            self._send(done, error)
+
+    def _send(self, done: bool | None, error: str | None) -> None:
         with self.lock:
             body = {
                 "rank": self.link.rank,
@@ -305,6 +316,11 @@ class ProgressReporter:
                 self._post()
             except httpx.HTTPError as e:
                 log.warning("progress report failed: %s", e)
+            except (
+                SystemExit
+            ) as e:  # not a process the coordinator admits: no more reports, and no more steps
+                self._refused = e
+                return
 
     def finish(self, error: str | None = None) -> None:
         """The last report, retried until acknowledged: a worker never exits with its end unrecorded (its
