@@ -316,9 +316,8 @@ class ProgressReporter:
                 self._post()
             except httpx.HTTPError as e:
                 log.warning("progress report failed: %s", e)
-            except (
-                SystemExit
-            ) as e:  # not a process the coordinator admits: no more reports, and no more steps
+            except SystemExit as e:
+                # Not a process the coordinator admits (its rejoin was refused): no more reports, nor steps.
                 self._refused = e
                 return
 
