@@ -18,7 +18,7 @@ import torch
 from ecrec.core.codes import SumCode, make_code
 from ecrec.core.optim import COUNT, NON_NEGATIVE, OPTIMIZERS, REAL, make_optimizer
 from ecrec.rebuild_error import CAPTURE_ENV, DECODE_LOG_ENV, KINDS, append_records, compare, read_records
-from ecrec.worker import CoordinatorLink, NonFiniteStep, ProgressReporter, check_finite_step
+from ecrec.worker import NonFiniteStep, check_finite_step
 from tests.conftest import REPO, make_ctx
 from tests.netsim import Net, Worker
 
@@ -291,27 +291,6 @@ def test_a_non_finite_step_is_named_in_one_line_with_its_rows() -> None:
     many = torch.arange(20)
     with pytest.raises(NonFiniteStep, match=r"20 rows \(global ids 0, 1, 2, 3, 4, 5, 6, 7, \.\.\. 12 more\)"):
         check_finite_step(0, 0.5, many, torch.zeros(20, 2), torch.full((20, 2), math.inf), torch.ones(1))
-
-
-def test_progress_reports_send_null_for_a_non_finite_loss() -> None:
-    sent = []
-
-    class Http:
-        def post(self, url, json):
-            sent.append(json)
-            return type(
-                "Response",
-                (),
-                {"status_code": 200, "raise_for_status": lambda self: None, "json": lambda self: {}},
-            )()
-
-    link = CoordinatorLink("http://coordinator", 0, "w0", incarnation=1, patience=1.0)
-    link.http = Http()
-    reporter = ProgressReporter(link)
-    for loss, expected in ((0.25, 0.25), (float("nan"), None), (None, None)):
-        reporter.loss = loss
-        reporter._post()
-        assert sent[-1]["loss"] == expected
 
 
 def test_the_coordinator_accepts_progress_without_a_loss() -> None:

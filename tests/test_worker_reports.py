@@ -1,6 +1,6 @@
 """A worker's progress reports (ecrec.worker.ProgressReporter): the reporter thread's and the training thread's
 reports reach the coordinator in the order they were read, and a refusal the reporter thread gets ends the
-worker as it would on the training thread."""
+worker as it would on the training thread; a loss that is not finite goes as null (JSON has no NaN)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,18 @@ def test_a_refusal_on_the_reporter_thread_ends_the_worker_at_its_next_step():
             reporter.stepped(1, 64, 0.5, time.time())
             time.sleep(0.01)
     assert refused.value.code == 2
+
+
+def test_progress_reports_send_null_for_a_non_finite_loss() -> None:
+    sent = []
+
+    class Http:
+        def post(self, url, json):
+            sent.append(json)
+            return Response(200, {})
+
+    reporter = reporter_with(Http())
+    for loss, expected in ((0.25, 0.25), (float("nan"), None), (None, None)):
+        reporter.loss = loss
+        reporter._post()
+        assert sent[-1]["loss"] == expected
