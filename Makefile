@@ -18,7 +18,7 @@ help:
 	@echo "make lint   - ruff"
 	@echo "make proto  - regenerate the gRPC stubs from services/ecrec/proto/ecrec.proto"
 	@echo "make bench  - parameter-server benchmark (ecrec bench server)"
-	@echo "make crd    - regenerate $(CRD_FILE) from the pydantic spec (services/ecrec/spec.py)"
+	@echo "make crd    - regenerate $(CRD_FILE) from the pydantic spec (services/ecrec/spec/)"
 	@echo "make dashboard - regenerate $(DASHBOARD_FILE) (services/ecrec/dashboard.py);"
 	@echo "              make dashboard-png renders it from a real run under Prometheus into $(DASHBOARD_PNG)"
 	@echo "make k8s-build - build the Kubernetes test control plane once (cached in ~/.cache/ecrec), fetch helm+kubectl"
@@ -100,7 +100,7 @@ k8s-e2e: $(STAMP) k8s-build-for-test
 k8s-status:
 	hack/kube-testenv status $(K8S_DIR)
 
-# The ECRecJob CRD, generated from the pydantic models in services/ecrec/spec.py and committed for the Helm chart.
+# The ECRecJob CRD, generated from the pydantic models in services/ecrec/spec/ and committed for the Helm chart.
 # tests/test_crd.py fails while the committed file and the models disagree.
 CRD_FILE := charts/ecrec/crds/ecrecjobs.yaml
 

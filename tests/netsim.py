@@ -1,6 +1,6 @@
 """An in-memory network of `ShardStore`s for deterministic protocol tests: no processes, no sockets, no threads.
 
-`Net` holds one store per shard id and wires them with `LocalPeers`, which implements store.py's `Peers` by
+`Net` holds one store per shard id and wires them with `LocalPeers`, which implements ecrec.store's `Peers` by
 direct method calls on the other stores. A dead shard is one whose store (its memory) was dropped: calls to
 it fail with `PeerFailed` as they would over gRPC, and so does anything a dead store still tries to send, so
 `kill` acts like a SIGKILL between two protocol steps. Every call between processes (worker -> server and

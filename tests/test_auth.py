@@ -9,7 +9,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from ecrec import auth
-from ecrec.coordinator import Coordinator, create_app
+from ecrec.coordinator.app import create_app
+from ecrec.coordinator.service import Coordinator
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
@@ -79,7 +80,7 @@ def test_the_coordinator_refuses_changes_without_the_token_and_keeps_reads_open(
     assert coord.cluster.shards[0].state.value == "pending" and not coord.progress.events
     # Reads are open: probes, dashboards and scrapers hold no token.
     assert api.get("/v1/status").status_code == 200 and api.get("/metrics").status_code == 200
-    assert api.get("/healthz").status_code == 200 and api.get("/cluster").status_code == 200
+    assert api.get("/healthz").status_code == 200 and api.get("/v1/cluster").status_code == 200
     r = api.post("/v1/servers/register", json=register, headers=auth.headers(TOKEN))
     assert r.status_code == 200 and coord.cluster.shards[0].state.value == "up"
     # Without a token of its own, a coordinator checks nothing (one started by hand, a unit test).
@@ -88,7 +89,7 @@ def test_the_coordinator_refuses_changes_without_the_token_and_keeps_reads_open(
 
 
 def test_a_live_probe_that_is_refused_still_counts_as_alive(served):
-    from ecrec.coordinator import probe_server
+    from ecrec.coordinator.probe import probe_server
 
     _ctx, _store, addr = served
     assert probe_server(addr, token=TOKEN) is True

@@ -17,7 +17,7 @@ T0 = 1_800_000_000.0  # the moment of a fault, as a Unix time
 
 
 def iso(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def pod(role: str, index: int = 0, incarnation: int = 1, phase: str = "Running", deleting=False) -> dict:

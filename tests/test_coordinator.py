@@ -11,7 +11,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ecrec import auth
-from ecrec.coordinator import Coordinator, SingleFlight, create_app, probe_server
+from ecrec.coordinator.app import create_app
+from ecrec.coordinator.probe import SingleFlight, probe_server
+from ecrec.coordinator.service import Coordinator
 from ecrec.core.cluster import ClusterMap, ProbeFirst, ShardState
 from tests.conftest import make_ctx
 
@@ -63,7 +65,7 @@ def test_rest_flow_registration_progress_and_metrics():
             ).status_code
             == 200
         )
-    assert api.get("/cluster").json()["ready"]
+    assert api.get("/v1/cluster").json()["ready"]
     assert (
         api.post("/v1/servers/register", json={"shard": 9, "address": "x", "instance": "x"}).status_code
         == 400
@@ -94,7 +96,7 @@ def test_failure_report_for_a_live_server_is_ignored():
     for s in range(2):
         api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
     epoch = api.post("/v1/failures", json={"shard": 0}).json()["epoch"]
-    assert epoch == 1 and api.get("/cluster").json()["shards"][0]["state"] == "up"
+    assert epoch == 1 and api.get("/v1/cluster").json()["shards"][0]["state"] == "up"
 
 
 def one_worker_training():
@@ -285,8 +287,8 @@ def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp
     for s in range(3):
         r = api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
         assert r.status_code == 200
-    assert api.post("/recoveries", json={"shard": 1}).status_code == 409  # it has not failed
-    assert api.get("/recoveries").json() == []
+    assert api.post("/v1/recoveries", json={"shard": 1}).status_code == 409  # it has not failed
+    assert api.get("/v1/recoveries").json() == []
     alive.discard("h:1")
     api.post("/v1/failures", json={"shard": 1})
     r = api.post(
@@ -295,8 +297,8 @@ def test_a_late_recovery_request_under_a_checkpoint_strategy_opens_no_record(tmp
     assert r.status_code == 200
     with coord.lock:
         coord.complete_restore(1, 0, time.time())
-    assert api.post("/recoveries", json={"shard": 1}).status_code == 200  # late: answers the record
-    assert [r["state"] for r in api.get("/recoveries").json()] == ["completed"]
+    assert api.post("/v1/recoveries", json={"shard": 1}).status_code == 200  # late: answers the record
+    assert [r["state"] for r in api.get("/v1/recoveries").json()] == ["completed"]
 
 
 def test_time_to_continue_is_the_first_step_after_the_detection_not_the_reports_latest():
@@ -339,7 +341,7 @@ def test_a_spare_waiting_in_its_heartbeat_hears_of_its_shard_the_moment_it_is_as
     # (each poll interval of waiting was degraded training before the takeover).
     import threading
 
-    from ecrec.coordinator import SpareIn
+    from ecrec.coordinator.contract import SpareIn
 
     ctx = make_ctx(servers__replicas=3, coordinator__failureTimeoutSeconds=60.0)
     alive = {f"h:{s}" for s in range(3)}
@@ -378,19 +380,20 @@ def test_a_registered_replacement_has_its_rebuild_started_without_being_asked():
     alive = {f"h:{s}" for s in range(3)}
     coord = Coordinator(ctx.job, probe=lambda addr, inst: addr in alive)
     driven, release = [], threading.Event()
-    coord._drive_recovery = lambda rec: (driven.append(rec.shard), release.wait(10))  # no servers to call
+    # no servers to call
+    coord.recovery._drive_recovery = lambda rec: (driven.append(rec.shard), release.wait(10))
     api = TestClient(create_app(coord))
     for s in range(3):
         api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
     alive.discard("h:1")
     api.post("/v1/failures", json={"shard": 1})
-    assert driven == [] and [r["state"] for r in api.get("/recoveries").json()] == ["detected"]
+    assert driven == [] and [r["state"] for r in api.get("/v1/recoveries").json()] == ["detected"]
     r = api.post(
         "/v1/servers/register", json={"shard": 1, "address": "h:9", "instance": "r1", "replacement": True}
     )
     assert r.status_code == 200
-    assert driven == [1] and [r["state"] for r in api.get("/recoveries").json()] == ["waiting"]
-    assert api.post("/recoveries", json={"shard": 1}).json()["state"] == "waiting"  # the same, running
+    assert driven == [1] and [r["state"] for r in api.get("/v1/recoveries").json()] == ["waiting"]
+    assert api.post("/v1/recoveries", json={"shard": 1}).json()["state"] == "waiting"  # the same, running
     assert driven == [1]
     release.set()
 

@@ -12,8 +12,7 @@ import json
 
 import pytest
 
-from ecrec.coordinator import (
-    Coordinator,
+from ecrec.coordinator.contract import (
     FailureReport,
     Heartbeat,
     Progress,
@@ -22,6 +21,7 @@ from ecrec.coordinator import (
     WorkerFinished,
     WorkerLost,
 )
+from ecrec.coordinator.service import Coordinator
 from ecrec.core.cluster import GENERATION_EPOCHS, ClusterMap, ProbeFirst, Refused, ShardState
 from ecrec.local import run_local
 from tests.conftest import make_ctx

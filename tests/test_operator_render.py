@@ -79,7 +79,7 @@ def test_pods_are_observed_back_with_their_state():
 
 def test_status_follows_the_coordinator_and_keeps_transition_times():
     job = k8s_job()
-    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     coord = {
         "phase": "Degraded",
         "step": 40,
@@ -110,6 +110,22 @@ def test_status_follows_the_coordinator_and_keeps_transition_times():
     coord["resume"] = {"generation": 1, "finishedAt": None, "recoveries": [{"shard": 2, "killed_at": None}]}
     st3 = job_status(job.spec, coord, procs, st2, later, replacements=1)
     assert st3["resume"] == {"generation": 1, "recoveries": [{"shard": 2}]}
+
+
+def test_a_trained_job_is_checking_until_its_final_checks_and_only_then_succeeded():
+    # The reconcile pass shows the job as Checking while the final checks run (handlers.reconcile_job): the
+    # Succeeded condition is not there yet, so `kubectl wait --for=condition=Succeeded` does not return.
+    job = k8s_job()
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    coord = {"phase": "Checking", "step": 300, "cluster": {"shards": []}}
+    st = job_status(job.spec, coord, [], {}, now, replacements=0)
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert st["phase"] == "Checking" and "Succeeded" not in conds and not st.get("completionTime")
+    assert conds["Running"]["status"] == "True" and conds["Checking"]["status"] == "True"
+    done = job_status(job.spec, {**coord, "phase": "Succeeded"}, [], st, now, replacements=0)
+    conds = {c["type"]: c for c in done["conditions"]}
+    assert conds["Succeeded"]["status"] == "True" and conds["Running"]["status"] == "False"
+    assert conds["Checking"]["status"] == "False"
 
 
 def test_set_condition_changes_the_transition_time_only_on_a_change():
@@ -284,7 +300,7 @@ def test_the_claim_is_mounted_where_the_coordinator_and_servers_read_the_checkpo
 
 def test_the_status_carries_the_checkpoint_account():
     job = checkpoint_job(volumeClaim="ckpt")
-    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     stats = {
         "strategy": "checkpoint",
         "intervalSeconds": None,

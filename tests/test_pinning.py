@@ -16,7 +16,7 @@ from ecrec_operator import handlers, pinning
 from tests.conftest import REPO
 
 SPEC = yaml.safe_load((REPO / "examples" / "k8s-small.yaml").read_text())["spec"]
-NOW = datetime.datetime(2026, 11, 27, tzinfo=datetime.timezone.utc)
+NOW = datetime.datetime(2026, 11, 27, tzinfo=datetime.UTC)
 
 
 def edited(**paths) -> dict:

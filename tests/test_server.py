@@ -172,6 +172,7 @@ def test_store_counters_are_exposed_in_prometheus_format(served):
 
 def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
     from ecrec.client import PSClient
+    from ecrec.modelread import parity_check
 
     ctx = make_ctx(servers__replicas=5, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=4)
     stores, servers, shards = [], [], []
@@ -183,10 +184,10 @@ def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
         shards.append({"shard": s, "address": f"127.0.0.1:{port}", "state": "up"})
     client = PSClient(ctx, {"epoch": 1, "shards": shards})
     try:
-        clean = client.parity_check()
+        clean = parity_check(client)
         assert clean["stripes"] > 0 and clean["mismatches"] == 0 and clean["in_flight"] == 0
         stores[2].parity.parity[7, 3] += 1.0  # one flipped value in one record
-        assert client.parity_check()["mismatches"] == 1
+        assert parity_check(client)["mismatches"] == 1
     finally:
         client.close()
         for server in servers:

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from ecrec import store as store_mod
 from ecrec.core.update import WorkerFence, txn_age, txn_worker
 from ecrec.jobctx import JobContext
 from ecrec.store import Busy, NotOwner, PeerFailed
+from ecrec.store import participant as store_mod
 from tests.conftest import make_ctx
 from tests.netsim import (
     WORKER,

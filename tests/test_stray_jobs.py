@@ -53,7 +53,7 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
         if answers or status.get("startedAt") is None:
             return
         url = cluster.coordinator_url
-        shards = httpx.get(f"{url}/cluster").json()["shards"]
+        shards = httpx.get(f"{url}/v1/cluster").json()["shards"]
         # Strays from inside the job (stale or confused processes hold the job token); outsiders without it
         # are refused before any of these rules (tests/test_auth.py), as the last two answers show.
         token = cluster.ctx.token
@@ -87,7 +87,7 @@ def test_the_issue_reproductions_are_refused_and_change_nothing(tmp_path, baseli
         answers["heartbeat"] = http.post(
             f"{url}/v1/servers/heartbeat", json={"shard": 2, "address": "127.0.0.1:1", "instance": "stray"}
         ).json()["ok"]
-        answers["recoveries"] = http.post(f"{url}/recoveries", json={"shard": 1}).status_code
+        answers["recoveries"] = http.post(f"{url}/v1/recoveries", json={"shard": 1}).status_code
 
     report = run_local(det_ctx("strays"), tmp_path, progress=False, on_tick=strays)
     assert answers == {

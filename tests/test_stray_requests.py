@@ -14,7 +14,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from ecrec.coordinator import Coordinator, create_app
+from ecrec.coordinator.app import create_app
+from ecrec.coordinator.service import Coordinator
 from ecrec.core.txn import DeltaBatch
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
@@ -151,7 +152,7 @@ def test_a_newer_epoch_is_adopted_once_the_coordinator_publishes_it():
     for s in range(N):
         api.post("/v1/servers/register", json={"shard": s, "address": f"h:{s}", "instance": f"i{s}"})
     view = ClusterView("http://coordinator")
-    view.http = api  # the coordinator's real app, in process
+    view.coordinator.http = api  # the coordinator's real app, in process
     servicer = ParameterServicer(ShardStore(ctx, 0), Metrics("t", "server", "0"), view, epoch=1)
     with pytest.raises(Exception, match="ahead"):
         servicer.observe_epoch(2, check=True)
@@ -409,7 +410,7 @@ def coordinator():
 
 def test_a_second_registration_for_a_live_shard_is_refused(coordinator):
     coord, api, alive = coordinator
-    before = api.get("/cluster").json()
+    before = api.get("/v1/cluster").json()
     r = api.post(
         "/v1/servers/register",
         json={"shard": 2, "address": "127.0.0.1:1", "instance": "x", "replacement": True},
@@ -417,7 +418,7 @@ def test_a_second_registration_for_a_live_shard_is_refused(coordinator):
     assert r.status_code == 409 and "answering" in r.json()["detail"]
     r = api.post("/v1/servers/heartbeat", json={"shard": 2, "address": "127.0.0.1:1", "instance": "x"})
     assert r.json()["ok"] is False
-    assert api.get("/cluster").json() == before
+    assert api.get("/v1/cluster").json() == before
     # A first process may not claim to be a replacement, and a new process must be one.
     r = api.post("/v1/servers/register", json={"shard": 2, "address": "h:9", "instance": "y"})
     assert r.status_code == 409 and "replacement" in r.json()["detail"]
@@ -427,10 +428,10 @@ def test_a_second_registration_for_a_live_shard_is_refused(coordinator):
         "/v1/servers/register", json={"shard": 2, "address": "h:7", "instance": "i2b", "replacement": True}
     )
     assert r.status_code == 200
-    info = api.get("/cluster").json()["shards"][2]
+    info = api.get("/v1/cluster").json()["shards"][2]
     assert info["state"] == "recovering" and info["incarnation"] == 2 and info["address"] == "h:7"
     # The same process registering again (a lost answer) changes nothing; the superseded one is refused.
-    epoch = api.get("/cluster").json()["epoch"]
+    epoch = api.get("/v1/cluster").json()["epoch"]
     assert (
         api.post(
             "/v1/servers/register",
@@ -438,7 +439,7 @@ def test_a_second_registration_for_a_live_shard_is_refused(coordinator):
         ).status_code
         == 200
     )
-    assert api.get("/cluster").json()["epoch"] == epoch
+    assert api.get("/v1/cluster").json()["epoch"] == epoch
     r = api.post(
         "/v1/servers/register", json={"shard": 2, "address": "h:2", "instance": "i2", "replacement": True}
     )
@@ -447,14 +448,14 @@ def test_a_second_registration_for_a_live_shard_is_refused(coordinator):
 
 def test_recoveries_only_for_a_registered_replacement(coordinator):
     coord, api, alive = coordinator
-    r = api.post("/recoveries", json={"shard": 1})
+    r = api.post("/v1/recoveries", json={"shard": 1})
     assert r.status_code == 409 and "it is up" in r.json()["detail"]
-    assert api.get("/recoveries").json() == []
+    assert api.get("/v1/recoveries").json() == []
     alive.discard("h:1")
     api.post("/v1/failures", json={"shard": 1})
-    r = api.post("/recoveries", json={"shard": 1})
+    r = api.post("/v1/recoveries", json={"shard": 1})
     assert r.status_code == 409 and "no replacement" in r.json()["detail"]
-    assert api.post("/recoveries", json={"shard": 11}).status_code == 400
+    assert api.post("/v1/recoveries", json={"shard": 11}).status_code == 400
 
 
 def test_progress_and_loss_reports_only_from_the_registered_worker(coordinator):

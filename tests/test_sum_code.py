@@ -296,7 +296,8 @@ def test_a_non_finite_step_is_named_in_one_line_with_its_rows() -> None:
 def test_the_coordinator_accepts_progress_without_a_loss() -> None:
     from fastapi.testclient import TestClient
 
-    from ecrec.coordinator import Coordinator, create_app
+    from ecrec.coordinator.app import create_app
+    from ecrec.coordinator.service import Coordinator
 
     ctx = make_ctx(servers__replicas=2, workers__replicas=1)
     api = TestClient(create_app(Coordinator(ctx.job, probe=lambda addr, inst: False)))

@@ -7,25 +7,19 @@ from __future__ import annotations
 import threading
 import time
 
+import httpx
 import pytest
 
 from ecrec.worker import CoordinatorLink, ProgressReporter
 
 
-class Response:
-    def __init__(self, status: int, body: dict):
-        self.status_code, self.body = status, body
-
-    def json(self) -> dict:
-        return self.body
-
-    def raise_for_status(self) -> None:
-        assert self.status_code == 200
+def Response(status: int, body: dict) -> httpx.Response:  # what the fake connections below answer
+    return httpx.Response(status, json=body, request=httpx.Request("POST", "http://coordinator"))
 
 
 def reporter_with(http) -> ProgressReporter:
     link = CoordinatorLink("http://coordinator", 0, "w0", incarnation=1, patience=1.0)
-    link.http = http
+    link.coordinator.http = http  # CoordinatorClient's connection
     return ProgressReporter(link, interval=0.01)
 
 

@@ -19,13 +19,16 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import kopf
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from ecrec import auth, rest
+from ecrec import auth
+from ecrec.coordinator.client import CoordinatorClient
+from ecrec.coordinator.contract import WorkerLost
 from ecrec.core.reconcile import Action, Observed, coordinator_seed, reconcile, replacements_seen
 from ecrec.data import check_data
 from ecrec.jobctx import JobContext
@@ -103,9 +106,8 @@ def _get_status(base: str | None) -> dict | None:
     if base is None:
         return None
     try:
-        r = rest.get(f"{base}/v1/status", timeout=HTTP_TIMEOUT)
-        r.raise_for_status()
-        return r.json()
+        with CoordinatorClient(base, timeout=HTTP_TIMEOUT) as coordinator:
+            return coordinator.status()
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -147,8 +149,15 @@ def _ensure_token(job, namespace: str, owner) -> str:
     return _job_token(namespace, job.name, uid)
 
 
-def _post(base: str, path: str, token: str | None, body: dict) -> httpx.Response:
-    return rest.post(f"{base}{path}", json=body, timeout=HTTP_TIMEOUT, token=token)
+def _post(base: str, token: str | None, call: Callable[[CoordinatorClient], dict]) -> dict | None:
+    """One write to the coordinator at `base` (`call` on a client made for it: passes are a second apart). Its
+    answer, or None for an error status (refused, malformed: the next pass decides again); httpx.TransportError
+    when no coordinator answers."""
+    with CoordinatorClient(base, token=token, timeout=HTTP_TIMEOUT) as coordinator:
+        try:
+            return call(coordinator)
+        except httpx.HTTPStatusError:
+            return None
 
 
 # -- reacting at once to a lost server --------------------------------------------------------------------
@@ -179,7 +188,7 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
         kopf.warn(job_ref, reason="ServerLost", message=f"server {shard}: pod {name} is gone; reporting it")
     try:  # the coordinator probes the address before it believes us: a spurious report changes nothing
         token = _job_token(namespace, job, owner["uid"]) if owner is not None else None
-        _post(base, "/v1/failures", token, {"shard": shard, "reporter": "operator"})
+        _post(base, token, lambda c: c.report_failure(shard, "operator"))
     except (httpx.HTTPError, ApiException) as e:
         log.info("could not report shard %d of %s/%s: %s", shard, namespace, job, e)
 
@@ -190,7 +199,7 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
 @kopf.timer(render.GROUP, render.VERSION, render.PLURAL, interval=1.0, initial_delay=0.0, backoff=2.0)
 def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job: kopf.Index, logger, **_):
     metrics.reconciles.inc()
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     phase = status.get("phase")
     if phase == "Failed" or (phase == "Succeeded" and status.get("completionTime")):
         _finish(name, namespace, spec, status, body, pods_by_job, now)
@@ -289,18 +298,20 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
             metrics.errors.labels(action.kind).inc()
             logger.warning("%s %s %d: %s", action.kind, action.role, action.index, e)
     _recoveries_started(body, namespace, name, coord_status)
-    new = job_status(
-        job.spec, coord_status, procs, status, now, replacements=replacements + created_replacements
-    )
-    if new.get("phase") == "Succeeded":
+    # Training over (the coordinator says Succeeded): the job is Checking until the final checks have passed,
+    # then Succeeded, their results and completionTime go out in one status write (Kubeflow's "complete").
+    final = None
+    seen = coord_status
+    if coord_status is not None and coord_status.get("phase") == "Succeeded":
         final = _final_checks.poll(
             (namespace, name, meta.get("uid")), JobContext(job, token=token), coord_status, base, logger
         )
         if final is None:
-            new.pop("completionTime", None)  # not finished until every shard is whole and checked
-        else:
-            new.update(final)
-            new["completionTime"] = _iso(now)
+            seen = {**coord_status, "phase": "Checking"}
+    new = job_status(job.spec, seen, procs, status, now, replacements=replacements + created_replacements)
+    if final is not None:
+        new.update(final)
+        new["completionTime"] = _iso(now)
     if coordinator_created is not None:
         new["coordinatorIncarnation"] = coordinator_created
     new["conditions"] = _spec_condition(body, new.get("conditions") or [], resolved, now)
@@ -388,11 +399,10 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
             instance = _registered.get((namespace, job.name), {}).get(action.index)
             if instance:
                 _lost_at.setdefault((namespace, job.name, action.index), (time.time(), instance))
-        _post(base, "/v1/failures", token, {"shard": action.index, "reporter": "operator"})
+        _post(base, token, lambda c: c.report_failure(action.index, "operator"))
         kopf.warn(owner, reason="ServerLost", message=f"server {action.index}: its pod is gone")
     elif action.kind == "start_recovery":
-        r = _post(base, "/recoveries", token, {"shard": action.index})
-        if r.status_code == 200:
+        if _post(base, token, lambda c: c.start_recovery(action.index)) is not None:
             kopf.info(
                 owner,
                 reason="RecoveryStarted",
@@ -403,15 +413,11 @@ def _act(action: Action, job, namespace: str, owner, base: str | None, logger, s
             if lost is not None:
                 metrics.replacement_seconds.observe(time.time() - lost[0])
     elif action.kind == "report_worker_lost":
-        _post(
-            base,
-            "/v1/workers/lost",
-            token,
-            {"rank": action.index, "instance": action.instance, "replacing": True, "reason": action.reason},
-        )
+        req = WorkerLost(rank=action.index, instance=action.instance, replacing=True, reason=action.reason)
+        _post(base, token, lambda c: c.worker_lost(req))
         kopf.warn(owner, reason="WorkerLost", message=f"worker {action.index}: its pod is gone; replacing it")
     elif action.kind == "report_worker_finished":
-        _post(base, "/v1/workers/finished", token, {"rank": action.index, "instance": action.instance})
+        _post(base, token, lambda c: c.worker_finished(action.index, action.instance))
     return 0
 
 
@@ -446,24 +452,23 @@ class FinalChecks:
 
 
 def _run_final_checks(ctx, coord_status: dict, logger) -> dict | None:
-    from ecrec.client import PSClient, evaluate
-    from ecrec.reference import reference_for_job
-    from ecrec.worker import data_source
+    from ecrec import finalchecks
+    from ecrec.client import PSClient
 
     client = PSClient(ctx, coord_status["cluster"])
     try:
-        data = data_source(ctx)
-        ev = evaluate(client, data.eval_batches(4096))
+        found = finalchecks.check(client)  # (the coordinator is not told the parity result: ecrec local's is)
+        ev = found.eval
         out: dict = {"eval": {"auc": ev["auc"], "logloss": ev["logloss"]}}
-        reference = reference_for_job(ctx.spec, data)  # real data: LR and FM on the same split, as a bar
+        reference = finalchecks.reference(ctx.spec, found.data)  # real data: LR and FM on the same split
         if reference:
             out["eval"]["reference"] = reference
         if ctx.ecrec:
-            pc = client.parity_check()
+            pc = found.parity_check
             out["parityCheck"] = {
                 "stripes": pc["stripes"],
                 "mismatches": pc["mismatches"],
-                "checkedAt": _iso(datetime.datetime.now(datetime.timezone.utc)),
+                "checkedAt": _iso(datetime.datetime.now(datetime.UTC)),
             }
         logger.info("final checks: %s", out)
         return out
@@ -534,7 +539,9 @@ def _announce_transition(body, old: str | None, new: str | None, reason: str | N
     if new == old or new is None:
         return
     if new == "Succeeded":
-        kopf.info(body, reason="ECRecJobSucceeded", message="training finished")
+        kopf.info(body, reason="ECRecJobSucceeded", message="training finished and the final checks passed")
+    elif new == "Checking":
+        kopf.info(body, reason="ECRecJobChecking", message="training finished; running the final checks")
     elif new == "Failed":
         kopf.warn(body, reason="ECRecJobFailed", message=reason or "failed")
     elif new in ("Degraded", "Recovering"):

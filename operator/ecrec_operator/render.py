@@ -29,6 +29,7 @@ import yaml
 from ecrec import auth
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.reconcile import Proc
+from ecrec.core.roles import ROLES
 from ecrec.podlabels import (
     INDEX_LABELS,
     LABEL_INCARNATION,
@@ -38,13 +39,13 @@ from ecrec.podlabels import (
     pod_identity,
     spare_index,
 )
+from ecrec.roles import role_argv
 from ecrec.spec import Job, JobSpec, ServersSpec
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
 HTTP_PORT = 8080  # coordinator REST
 GRPC_PORT = 7070  # parameter servers
 METRICS_PORT = 9090  # every role's /metrics
-ROLES = ("coordinator", "server", "worker")
 SPEC_DEFAULT_IMAGE = ServersSpec.model_fields["image"].default  # `ecrec:latest`, the same for every role
 
 # Pod Security Standards "restricted": what every job pod gets unless the operator's config says otherwise.
@@ -264,22 +265,6 @@ def coordinator_service(job: Job, namespace: str) -> dict:
     }
 
 
-def _member_args(replacement: bool) -> list[str]:
-    """The flags servers and workers share: where the coordinator is, where /metrics is served (the pod IP),
-    the instance name (the pod's), and whether the process replaces a lost one."""
-    return [
-        "--coordinator",
-        "$(ECREC_COORDINATOR)",
-        "--metrics-addr",
-        "$(POD_IP)",
-        "--metrics-port",
-        str(METRICS_PORT),
-        "--instance",
-        "$(POD_NAME)",
-        *(["--replacement"] if replacement else []),
-    ]
-
-
 def pod(
     job: Job,
     namespace: str,
@@ -302,27 +287,30 @@ def pod(
         "spare": spec.servers,
         "worker": spec.workers,
     }[role]
-    common = ["--job", "env:ECREC_JOB"]
+    # `ecrec ROLE ARGS` (ecrec.roles.role_argv): the pod IP, the Service of the coordinator and the pod's name,
+    # as Kubernetes expands them from the env below
+    argv = role_argv(
+        role,
+        index,
+        job="env:ECREC_JOB",
+        coordinator="$(ECREC_COORDINATOR)",
+        instance="$(POD_NAME)",
+        incarnation=incarnation,
+        replacement=replacement,
+        bind=f"$(POD_IP):{GRPC_PORT}",
+        host="$(POD_IP)",
+        port=HTTP_PORT,
+        metrics_addr="$(POD_IP)",
+        metrics_port=METRICS_PORT,
+        resume=(resume[0], "env:ECREC_RESUME") if resume is not None else None,
+    )
     if role == "coordinator":
-        module = "ecrec.coordinator"
-        args = [*common, "--host", "$(POD_IP)", "--port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT)]
-        if resume is not None:
-            args += ["--generation", str(resume[0]), "--resume", "env:ECREC_RESUME"]
         ports = [
             {"name": "http", "containerPort": HTTP_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
         ]
         probe = {"httpGet": {"path": "/healthz", "port": HTTP_PORT}, "periodSeconds": 2}
     elif role == "server":
-        module = "ecrec.server"
-        args = [
-            *common,
-            "--shard",
-            str(index),
-            "--bind",
-            f"$(POD_IP):{GRPC_PORT}",
-            *_member_args(replacement),
-        ]
         ports = [
             {"name": "grpc", "containerPort": GRPC_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
@@ -331,16 +319,12 @@ def pod(
     elif role == "spare":
         # A server without a shard until the coordinator assigns it a failed one; then the operator relabels
         # it (role server, the shard id, its incarnation). It listens on gRPC only from then: no probe.
-        module = "ecrec.server"
-        args = [*common, "--spare", str(index), "--bind", f"$(POD_IP):{GRPC_PORT}", *_member_args(False)]
         ports = [
             {"name": "grpc", "containerPort": GRPC_PORT},
             {"name": "metrics", "containerPort": METRICS_PORT},
         ]
         probe = None
     else:
-        module = "ecrec.worker"
-        args = [*common, "--rank", str(index), "--incarnation", str(incarnation), *_member_args(replacement)]
         ports = [{"name": "metrics", "containerPort": METRICS_PORT}]
         probe = None
     env = [
@@ -365,8 +349,8 @@ def pod(
             if section.image == SPEC_DEFAULT_IMAGE
             else section.image
         ),
-        "command": ["ecrec", module.rsplit(".", 1)[-1]],  # the images' ENTRYPOINT console script
-        "args": args,
+        "command": argv[:2],  # the images' ENTRYPOINT console script and the role
+        "args": argv[2:],
         "env": env,
         "ports": ports,
         "volumeMounts": [{"name": TMP_VOLUME, "mountPath": TMP_DIR}],

@@ -21,6 +21,7 @@ PHASE_CONDITIONS = {
     "Running": {"Running"},
     "Degraded": {"Running", "Degraded"},
     "Recovering": {"Running", "Recovering"},
+    "Checking": {"Running", "Checking"},  # trained; the final checks run before the job is complete
     "Succeeded": {"Succeeded"},
     "Failed": {"Failed"},
 }
@@ -30,8 +31,8 @@ def _ts(t: datetime.datetime | float | None) -> str | None:
     if t is None:
         return None
     if isinstance(t, int | float):
-        t = datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
-    return t.astimezone(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+        t = datetime.datetime.fromtimestamp(t, datetime.UTC)
+    return t.astimezone(datetime.UTC).isoformat().replace("+00:00", "Z")
 
 
 def set_condition(
@@ -98,7 +99,7 @@ def job_status(
         list(previous.get("conditions") or []), "Created", "True", "ECRecJobCreated", "pods created", ts
     )
     holds = PHASE_CONDITIONS.get(phase, set())
-    for ctype in ("Running", "Degraded", "Recovering", "Succeeded", "Failed"):
+    for ctype in ("Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed"):
         if ctype in holds:
             conditions = set_condition(
                 conditions, ctype, "True", f"ECRecJob{ctype}", reason or f"job is {phase}", ts

@@ -20,11 +20,11 @@ import grpc
 import torch
 
 from ecrec.forkserver import die_with
+from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
 from ecrec.local import free_port, machine_description
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
-from ecrec.server import GRPC_OPTIONS
 from ecrec.spec import job_from_dict
 from ecrec.store import ShardStore
 from ecrec.streams import StreamPool

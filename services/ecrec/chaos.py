@@ -11,7 +11,7 @@ How pod-failure is injected (`--injector`):
 - `chaos-mesh`: a Chaos Mesh `PodChaos` (chaos-mesh.org/v1alpha1, action pod-failure, the target pod, the
   duration), deleted again once the fault is over;
 - `annotation`: the pod annotations `chaos.ecrec.dev/pause-seconds` and `chaos.ecrec.dev/pause-id` (a new id per
-  fault), which the test kubelet (tests/k8s/kubelet.py) honours in place of Chaos Mesh's daemon: SIGSTOP of the
+  fault), which the test kubelet (tests/k8s/kubelet/) honours in place of Chaos Mesh's daemon: SIGSTOP of the
   pod's processes, SIGCONT after the duration. Its node says so with the label `chaos.ecrec.dev/pause-annotation`;
 - `auto` (default): chaos-mesh where the API server serves PodChaos, else annotation where the target's node
   carries that label, else an error saying what is missing.
@@ -50,7 +50,7 @@ ROLES = ("server", "worker", "coordinator", "any")
 # (docs/protocol.md): its successor starts from the state the operator keeps in the job's status.
 ANY_ROLES: tuple[str, ...] = ("server", "worker", "coordinator")
 
-# The annotation injector (honoured by tests/k8s/kubelet.py) and the node label saying a node honours it.
+# The annotation injector (honoured by tests/k8s/kubelet/) and the node label saying a node honours it.
 PAUSE_SECONDS = "chaos.ecrec.dev/pause-seconds"
 PAUSE_ID = "chaos.ecrec.dev/pause-id"
 PAUSE_NODE_LABEL = "chaos.ecrec.dev/pause-annotation"
@@ -346,7 +346,7 @@ def table_rows(faults: Iterable[Fault]) -> list[tuple[str, ...]]:
         what = f"{f.action} {f.role} {f.index}"
         if f.duration is not None:
             what += f" ({f.duration:g}s)"
-        injected = datetime.datetime.fromtimestamp(f.injected_at, datetime.timezone.utc).strftime("%H:%M:%S")
+        injected = datetime.datetime.fromtimestamp(f.injected_at, datetime.UTC).strftime("%H:%M:%S")
         rows.append(
             (
                 str(f.n),

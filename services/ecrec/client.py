@@ -1,6 +1,7 @@
-"""Client side of the parameter servers: the cluster map, calls and their fan-out, and model reads.
+"""Client side of the parameter servers: the cluster map, calls and their fan-out, and the data path.
 
-Used by workers (training), the launcher (evaluation, `params_sha256`, the parity check) and benchmarks.
+Used by workers (training), the launcher (evaluation; the model-level reads, `params_sha256` and the parity
+check, are in `ecrec.modelread`, over this client) and benchmarks.
 Requests to different servers go out concurrently on a thread pool; tensors are sent as raw bytes. With ECRec
 the client follows the cluster map: rows of a failed shard are read from their parity servers (degraded
 reads). Updates: without ECRec, `push_rows` / `push_dense`; with it, `apply_update`, whose two-phase commit
@@ -10,7 +11,6 @@ lives in `ecrec.updater` (which drives this client's calls and map); retry rules
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
@@ -22,21 +22,21 @@ import grpc
 import httpx
 import torch
 
-from ecrec import auth, rest
+from ecrec import auth
+from ecrec.coordinator.client import CoordinatorClient
 from ecrec.core.update import MapView
 from ecrec.evaluation import auc, logloss
+from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics, latency_snapshot
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
-from ecrec.server import GRPC_OPTIONS
 from ecrec.streams import StreamPool
 from ecrec.updater import UpdateDriver
 from ecrec.wire import bytes_to_floats, floats_to_bytes, ids_to_bytes
 
 log = logging.getLogger("ecrec.client")
-READ_PAGE_ROWS = 1 << 18
 
 
 @dataclass
@@ -47,7 +47,7 @@ class Pending:
     client: PSClient
 
     def wait(self, timeout: float | None = None) -> list:
-        return [self.client._result(shard, method, fut, timeout) for shard, method, fut in self.calls]
+        return [self.client.result(shard, method, fut, timeout) for shard, method, fut in self.calls]
 
 
 class PSClient:
@@ -66,8 +66,10 @@ class PSClient:
         self.streams_per_server = streams
         self.progress_timeout = ctx.spec.coordinator.progress_timeout_seconds
         self.metrics = metrics or Metrics(ctx.name, "client")
-        self.coordinator = coordinator.rstrip("/")
-        self.http = rest.client(timeout=15.0, token=ctx.token) if coordinator else None
+        # The coordinator (None: a reader without one, e.g. a test): the map, failure reports, parity results.
+        self.coordinator = (
+            CoordinatorClient(coordinator, token=ctx.token, timeout=15.0) if coordinator else None
+        )
         self._coordinator_log = 0.0
         self._latency: dict[str, object] = {}  # method -> latency histogram child: no label lookup per call
         self.degraded_rows: dict[str, dict[int, int]] = {"reads": {}, "writes": {}}
@@ -86,9 +88,9 @@ class PSClient:
 
     @classmethod
     def from_coordinator(cls, ctx: JobContext, url: str, **kw) -> PSClient:
-        r = rest.get(f"{url.rstrip('/')}/cluster", timeout=5.0)
-        r.raise_for_status()
-        return cls(ctx, r.json(), coordinator=url, **kw)
+        with CoordinatorClient(url, token=ctx.token, timeout=5.0) as coordinator:
+            cluster = coordinator.cluster()
+        return cls(ctx, cluster, coordinator=url, **kw)
 
     # -- the cluster map -------------------------------------------------------------------------------
     def update_cluster(self, cluster: dict) -> None:
@@ -118,20 +120,16 @@ class PSClient:
                 self.streams[shard] = StreamPool(stub, self.streams_per_server)
 
     def refresh(self) -> None:
-        if self.http is not None:
+        if self.coordinator is not None:
             with self._no_coordinator("reading the cluster map"):
-                r = self.http.get(f"{self.coordinator}/cluster")
-                r.raise_for_status()
-                self.update_cluster(r.json())
+                self.update_cluster(self.coordinator.cluster())
 
     def report_failure(self, shard: int) -> None:
         """Tell the coordinator we could not reach `shard`; it probes, and we adopt the resulting map."""
-        if self.http is None:
+        if self.coordinator is None:
             raise RuntimeError(f"server {shard} is unreachable and this client has no coordinator")
         with self._no_coordinator(f"reporting server {shard} unreachable"):
-            r = self.http.post(f"{self.coordinator}/v1/failures", json={"shard": shard, "reporter": "client"})
-            r.raise_for_status()
-            self.update_cluster(r.json()["cluster"])
+            self.update_cluster(self.coordinator.report_failure(shard, "client")["cluster"])
 
     @contextlib.contextmanager
     def _no_coordinator(self, what: str):
@@ -187,8 +185,8 @@ class PSClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for shard in list(self.channels):
             self._retire(shard)
-        if self.http is not None:
-            self.http.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
 
     def call(self, shard: int, method: str, request) -> Future:
         """Start one RPC; the future's result() returns the response or raises the grpc.RpcError.
@@ -227,7 +225,7 @@ class PSClient:
             "rpcLatency": latency_snapshot(self.metrics),
         }
 
-    def _result(self, shard: int, method: str, fut: Future, timeout: float | None = None):
+    def result(self, shard: int, method: str, fut: Future, timeout: float | None = None):
         try:
             return fut.result(timeout=timeout)
         except grpc.RpcError as e:
@@ -236,7 +234,7 @@ class PSClient:
 
     @property
     def ft(self) -> bool:
-        return self.ctx.ecrec and self.http is not None
+        return self.ctx.ecrec and self.coordinator is not None
 
     # -- reads: embedding rows and dense parameters ----------------------------------------------------
     def pull(self, g: torch.Tensor, dense: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -360,130 +358,6 @@ class PSClient:
     def flush_decisions(self) -> None:
         """Send every commit decision still queued for a parity server (UpdateDriver.flush_decisions)."""
         self.updates.flush_decisions()
-
-    # -- whole records ---------------------------------------------------------------------------------
-    def read_records(self, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
-        pages, start, width = [], 0, self.ctx.record_width
-        while True:
-            req = pb.ReadRecordsRequest(
-                epoch=self.epoch, kind=kind, start=start, count=READ_PAGE_ROWS, chunk=chunk
-            )
-            resp = self._result(shard, "ReadRecords", self.call(shard, "ReadRecords", req))
-            width = resp.width or width
-            if resp.count:
-                pages.append(
-                    torch.frombuffer(resp.records, dtype=torch.float32).view(resp.count, resp.width).clone()
-                )
-            start += resp.count
-            if resp.count < READ_PAGE_ROWS:
-                break
-        return torch.cat(pages) if pages else torch.empty(0, width)
-
-    def all_row_records(self) -> torch.Tensor:
-        """Every embedding row record in global row order: [G, W]."""
-        ctx, p = self.ctx, self.ctx.placement
-        n = ctx.num_servers
-        per = -(-p.num_rows // n)
-        full = torch.zeros(per * n, ctx.record_width, dtype=torch.float32)
-        grid = full.view(per, n, ctx.record_width)
-        for s in range(n):
-            recs = self.read_records(s, pb.DATA)
-            grid[: recs.shape[0], s] = recs
-        return full[: p.num_rows]
-
-    def all_dense_records(self) -> torch.Tensor:
-        """Dense-parameter records (param + optimizer state per scalar) in parameter order: [D, Wd]."""
-        ctx = self.ctx
-        return torch.cat(
-            [self.read_records(self.dense_targets(c)[0], pb.DENSE, c) for c in range(ctx.num_servers)]
-        )
-
-    def params_sha256(self) -> str:
-        """Hash of the whole logical model, independent of the number of servers and of placement."""
-        h = hashlib.sha256()
-        for t in (self.all_row_records(), self.all_dense_records()):
-            h.update(t.contiguous().numpy().data)
-        return h.hexdigest()
-
-    def dense_replica_mismatches(self) -> int:
-        """Dense chunks whose two replicas differ (0 in deterministic mode, where updates are ordered)."""
-        bad = 0
-        for c in range(self.ctx.num_servers):
-            holders = self.dense_targets(c)
-            if len(holders) == 2:
-                a, b = (self.read_records(h, pb.DENSE, c) for h in holders)
-                bad += int(not torch.equal(a.view(torch.int32), b.view(torch.int32)))
-        return bad
-
-    def staged_counts(self) -> list[int]:
-        """Undecided 2PC state per server (0 everywhere once the job is quiet)."""
-        return [
-            int(self.stubs[s].Info(pb.InfoRequest(), timeout=self.timeout).staged)
-            for s in range(self.ctx.num_servers)
-        ]
-
-    def read_versions(self, server: int, kind: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """All records of one kind on a server with their versions (DATA: [n]; PARITY: pver [n, k])."""
-        recs, vers = [], []
-        for lo in range(0, n, READ_PAGE_ROWS):
-            index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
-            req = pb.ReadRowsRequest(epoch=self.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
-            resp = self._result(server, "ReadRows", self.call(server, "ReadRows", req))
-            recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1).clone())
-            vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1).clone())
-        if not recs:
-            return torch.empty(0, self.ctx.record_width), torch.empty(0, 1, dtype=torch.int64)
-        return torch.cat(recs), torch.cat(vers)
-
-    def parity_check(self, rounds: int = 5) -> dict:
-        """Invariant I1: every parity record equals the encoding of its stripe's members, entries and optimizer
-        state (bit-exact for xor). Works on a running job: a stripe whose member versions differ from those its
-        parity reflects has a commit in flight and is checked again in the next round."""
-        from ecrec.core.codes import make_code
-
-        ctx, p = self.ctx, self.ctx.placement
-        if any(self.failed(s) or self.states.get(s) == "recovering" for s in range(ctx.num_servers)):
-            raise RuntimeError("parity check needs every server up (a shard is failed or recovering)")
-        code = make_code(ctx.spec.fault_tolerance.ecrec.code)
-        pending = {s: None for s in range(ctx.num_servers)}  # parity server -> indices still to check
-        stripes = mismatches = 0
-        for _round in range(rounds):
-            data = [self.read_versions(s, pb.DATA, p.rows_on(s)) for s in range(ctx.num_servers)]
-            for server in list(pending):
-                parity, pver = self.read_versions(server, pb.PARITY, p.parity_rows_on(server))
-                index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
-                shards, locs, present = p.stripe_members(server, index)
-                members = torch.zeros(p.k, index.numel(), ctx.record_width)
-                mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
-                for s in shards.unique().tolist():
-                    sel = present & (shards == s)
-                    ri, sj = sel.nonzero(as_tuple=True)
-                    members[sj, ri] = data[s][0][locs[ri, sj]]
-                    mvers[ri, sj] = data[s][1][locs[ri, sj]].view(-1)
-                settled = (mvers == pver[index]).all(dim=1)
-                expected = code.encode(members)
-                got = parity[index]
-                if code.name == "xor":
-                    ok = (expected.view(torch.int32) == got.view(torch.int32)).all(dim=1)
-                else:
-                    ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)
-                stripes += int(settled.sum())
-                mismatches += int((settled & ~ok).sum())
-                if bool(settled.all()):
-                    del pending[server]
-                else:
-                    pending[server] = index[~settled]
-            if not pending:
-                break
-            time.sleep(0.05)
-        in_flight = sum(v.numel() for v in pending.values() if v is not None)
-        self.metrics.of(self.metrics.parity_checks, result="ok").inc(stripes - mismatches)
-        self.metrics.of(self.metrics.parity_checks, result="mismatch").inc(mismatches)
-        result = {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}
-        if self.http is not None:  # the coordinator exports the result (ecrec_parity_check_*)
-            with self._no_coordinator("reporting the parity check"):
-                self.http.post(f"{self.coordinator}/v1/parity-checks", json=result).raise_for_status()
-        return result
 
 
 def evaluate(client: PSClient, batches: Iterable, device: str = "cpu") -> dict:

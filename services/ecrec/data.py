@@ -1,7 +1,8 @@
 """Training data: the `DataSource` protocol, a synthetic generator and a reader for Criteo-format TSV files.
 
-This module owns how a batch number becomes a `Batch` (so any worker can produce any batch), the held-out
-split used for AUC/log-loss, the synthetic "teacher" that makes labels learnable, and the Criteo TSV format
+`Batch`, `DataSource` and the seed streams are `ecrec.batches`' (importable from here too), shared with
+`ecrec.movielens`. This module owns how a batch number becomes a `Batch` (so any worker can produce any
+batch), the held-out split used for AUC/log-loss, the synthetic "teacher" that makes labels learnable, and the Criteo TSV format
 (`label \\t I1..I13 \\t C1..C_T`, hex categorical ids hashed into the table sizes, dense = log(x+1)).
 """
 
@@ -10,48 +11,27 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ecrec.model import counter_uniform, splitmix64
+from ecrec.batches import EVAL_STREAM as _EVAL_STREAM
+from ecrec.batches import SETUP_STREAM as _SETUP_STREAM
+from ecrec.batches import TRAIN_STREAM as _TRAIN_STREAM
+from ecrec.batches import Batch, DataSource
+from ecrec.batches import slices as _slices
+from ecrec.batches import stream_generator as _stream_generator
+from ecrec.model import counter_uniform
 
 if TYPE_CHECKING:
     from ecrec.spec import JobSpec
 
-# Seed streams: training batch i uses (_TRAIN, i), the held-out split (_EVAL, 0); the teacher hashes with
-# its own salt. Distinct streams mean the eval split never replays a training batch.
-_TRAIN_STREAM, _EVAL_STREAM, _SETUP_STREAM = 0, 1, 2
+# Seed streams (ecrec.batches): training batch i uses (TRAIN, i), the held-out split (EVAL, 0); the teacher
+# hashes with its own salt.
 _TEACHER_SALT = 0x7EAC4E5
 _MAX_COUNT = 1 << 20  # dense counts are capped: log1p stays exact to round-trip through float32 and text
-
-
-@dataclass
-class Batch:
-    dense: Tensor  # [B, num_dense] float32, log(count + 1)
-    ids: Tensor  # [B, T] int64, per-table ids in [0, table_sizes[t])
-    labels: Tensor  # [B] float32 in {0, 1}
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-
-class DataSource(Protocol):
-    def batch(self, index: int, batch_size: int) -> Batch:
-        """Training batch number `index` (>= 0); the same tensors on every call and in every process."""
-        ...
-
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        """The held-out split in batches, the same on every call."""
-        ...
-
-
-def _stream_generator(seed: int, stream: int, index: int) -> torch.Generator:
-    key = splitmix64(splitmix64(splitmix64(seed) ^ stream) ^ index)
-    return torch.Generator().manual_seed(key >> 1)  # manual_seed wants a non-negative int64
 
 
 def dense_transform(counts: Tensor) -> Tensor:
@@ -164,14 +144,6 @@ class SyntheticData:
             )
             self._eval = Batch(dense_transform(counts), ids, labels)
         yield from _slices(self._eval, batch_size)
-
-
-def _slices(b: Batch, batch_size: int) -> Iterator[Batch]:
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    for lo in range(0, len(b), batch_size):
-        hi = lo + batch_size
-        yield Batch(b.dense[lo:hi], b.ids[lo:hi], b.labels[lo:hi])
 
 
 # -- Criteo TSV ----------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ them; the launcher sees their exit codes (-n for a signal n, as `subprocess` giv
 is the fork server, so each has the kernel kill it when the fork server dies (PR_SET_PDEATHSIG), and the fork
 server dies with the launcher (the same, and the end of its request pipe): nothing outlives the job. In `ps` a
 child shows the fork server's command line, which names the job's out directory; its name (`ps -o comm`,
-`top`) is its own, e.g. `server-2`. The test kubelet (tests/k8s/kubelet.py) starts pods' `ecrec` processes
+`top`) is its own, e.g. `server-2`. The test kubelet (tests/k8s/kubelet/) starts pods' `ecrec` processes
 the same way.
 
 Wire format, one JSON object per line. Launcher -> fork server: {"argv", "env", "log", "name"[, "cwd"]}. Fork
@@ -36,7 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-PRELOAD = ("ecrec.cli", "ecrec.coordinator", "ecrec.server", "ecrec.worker")
+from ecrec.roles import ROLE_MODULES, run_role
+
+# Every role's module (what the fork server is for), and the coordinator's app (its service, FastAPI, uvicorn),
+# which its package's main imports only when called.
+PRELOAD = (*ROLE_MODULES.values(), "ecrec.coordinator.app")
 PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
 START_TIMEOUT = 120.0  # the fork server's own start (its imports) on a busy machine
 
@@ -181,9 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     request = _serve(requests_fd, replies_fd)
     # Only a child gets here: it runs its role as `ecrec ROLE ARGS` would, in this interpreter, and exits
     # through Python's own shutdown (atexit, non-daemon threads joined), with the role's exit code.
-    from ecrec import cli
-
-    cli.main(_become(request))
+    argv = _become(request)
+    if argv and argv[0] in ROLE_MODULES:
+        run_role(argv[0], argv[1:])
+        return
+    # Any other `ecrec` command (the test kubelet forks whatever runs the `ecrec` entrypoint): the CLI, in a
+    # fresh interpreter, since this one preloads the roles and not the CLI (which imports the fork server).
+    os.execv(sys.executable, [sys.executable, "-m", "ecrec.cli", *argv])
 
 
 # -- the launcher's side ---------------------------------------------------------------------------------

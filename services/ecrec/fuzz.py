@@ -22,11 +22,13 @@ import grpc
 import httpx
 import torch
 
-from ecrec import auth, rest
+from ecrec import auth
+from ecrec.coordinator import contract as api
+from ecrec.coordinator.client import CoordinatorClient
+from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
-from ecrec.server import GRPC_OPTIONS
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 
 GRPC_METHODS = (
@@ -48,28 +50,29 @@ GRPC_METHODS = (
     "CopyDense",
 )
 REST_ENDPOINTS = (
-    "/v1/servers/register",
-    "/v1/servers/heartbeat",
-    "/v1/failures",
-    "/v1/workers/register",
-    "/v1/workers/progress",
-    "/v1/workers/lost",
-    "/v1/events",
-    "/recoveries",
-    "/v1/spares/register",
-    "/v1/spares/heartbeat",
+    api.SERVERS_REGISTER,
+    api.SERVERS_HEARTBEAT,
+    api.FAILURES,
+    api.WORKERS_REGISTER,
+    api.WORKERS_PROGRESS,
+    api.WORKERS_LOST,
+    api.EVENTS,
+    api.RECOVERIES,
+    api.SPARES_REGISTER,
+    api.SPARES_HEARTBEAT,
 )
 
 
 class Fuzzer:
     def __init__(self, ctx: JobContext, coordinator: str, seed: int = 0, timeout: float = 1.0):
-        self.ctx, self.url, self.timeout = ctx, coordinator.rstrip("/"), timeout
+        self.ctx, self.timeout = ctx, timeout
         self.rng = random.Random(seed)
-        self.http = rest.client(timeout=10.0, token=ctx.token)
+        # Its bodies are malformed on purpose: they go raw, over the client's connection (`http`, `url`).
+        self.coordinator = CoordinatorClient(coordinator, token=ctx.token, timeout=10.0)
         self.stubs: dict[str, pb_grpc.ParameterServerStub] = {}
         self.channels: list[grpc.Channel] = []
         self.answers: Counter[tuple[str, str]] = Counter()  # (method or endpoint, status) -> count
-        self.cluster = self.http.get(f"{self.url}/cluster").json()
+        self.cluster = self.coordinator.cluster()
 
     # -- pieces of requests --------------------------------------------------------------------------------
     def _stub(self, shard: int) -> pb_grpc.ParameterServerStub:
@@ -224,20 +227,20 @@ class Fuzzer:
         shard = self._shard_id()
         if r.random() < 0.1:
             return "{not json"
-        if endpoint == "/v1/servers/register":
+        if endpoint == api.SERVERS_REGISTER:
             return {
                 "shard": shard,
                 "address": r.choice(["127.0.0.1:1", "", "nowhere:0"]),
                 "instance": r.choice(["", "fuzz", f"f{r.randrange(10**6)}"]),
                 "replacement": r.random() < 0.7,
             }
-        if endpoint == "/v1/servers/heartbeat":
+        if endpoint == api.SERVERS_HEARTBEAT:
             return {"shard": shard, "address": "127.0.0.1:1", "instance": "fuzz", "epoch": 2**40}
-        if endpoint == "/v1/failures":
+        if endpoint == api.FAILURES:
             return {"shard": shard, "reporter": "fuzz"}
-        if endpoint in ("/v1/workers/register", "/v1/workers/lost"):
+        if endpoint in (api.WORKERS_REGISTER, api.WORKERS_LOST):
             return {"rank": r.choice([-1, 0, 1, 99]), "instance": r.choice(["", "fuzz"])}
-        if endpoint == "/v1/workers/progress":
+        if endpoint == api.WORKERS_PROGRESS:
             return {
                 "rank": r.choice([-1, 0, 99]),
                 "instance": "fuzz",
@@ -245,15 +248,15 @@ class Fuzzer:
                 "samples": r.randrange(10**9),
                 "done": True,
             }
-        if endpoint == "/v1/events":
+        if endpoint == api.EVENTS:
             return {
                 "kind": r.choice(["bogus", "", "x" * 100, "note"]),
                 "shard": shard,
                 "at": r.choice([None, 1e12]),
             }
-        if endpoint == "/recoveries":
+        if endpoint == api.RECOVERIES:
             return {"shard": shard}
-        if endpoint in ("/v1/spares/register", "/v1/spares/heartbeat"):
+        if endpoint in (api.SPARES_REGISTER, api.SPARES_HEARTBEAT):
             # a stray spare is kept until its heartbeats stop; one assigned a shard that never takes it
             # over is released after failureTimeoutSeconds (ecrec.core.spares)
             return {
@@ -279,13 +282,12 @@ class Fuzzer:
         else:
             what = self.rng.choice(REST_ENDPOINTS)
             body = self._rest_request(what)
+            http, url = self.coordinator.http, self.coordinator.url + what
             try:
                 if isinstance(body, str):
-                    resp = self.http.post(
-                        f"{self.url}{what}", content=body, headers={"content-type": "application/json"}
-                    )
+                    resp = http.post(url, content=body, headers={"content-type": "application/json"})
                 else:
-                    resp = self.http.post(f"{self.url}{what}", json=body)
+                    resp = http.post(url, json=body)
                 status = str(resp.status_code)
             except httpx.HTTPError as e:
                 status = type(e).__name__
@@ -305,7 +307,7 @@ class Fuzzer:
     def close(self) -> None:
         for ch in self.channels:
             ch.close()
-        self.http.close()
+        self.coordinator.close()
 
 
 def fuzz_while_training(

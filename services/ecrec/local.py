@@ -10,6 +10,7 @@ PR_SET_PDEATHSIG even if the launcher is SIGKILLed. They are forked from the job
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -27,9 +28,12 @@ from pathlib import Path
 import httpx
 
 from ecrec import auth, rest
+from ecrec.coordinator.client import CoordinatorClient, Refused
+from ecrec.coordinator.contract import EventIn, WorkerLost
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.forkserver import Forked, ForkServer
 from ecrec.jobctx import JobContext
+from ecrec.roles import role_argv
 from ecrec.spec import JobSpec
 
 
@@ -108,7 +112,11 @@ class LocalCluster:
         token_file.touch(mode=0o600)
         token_file.chmod(0o600)
         token_file.write_text(self.ctx.token)
-        self.http = rest.client(timeout=10.0, token=self.ctx.token)
+
+    @functools.cached_property
+    def coordinator(self) -> CoordinatorClient:
+        """The launcher's client of the coordinator, made at its first call (`start` picks the URL first)."""
+        return CoordinatorClient(self.coordinator_url, token=self.ctx.token, timeout=10.0)
 
     # -- processes -------------------------------------------------------------------------------------
     def _child_env(self) -> dict[str, str]:
@@ -121,15 +129,14 @@ class LocalCluster:
         log = self.out_dir / "logs" / "forkserver.log"
         return ForkServer(self.out_dir, log, self._child_env())
 
-    def spawn(
-        self, name: str, module: str, *args: str, role: str = "", index: int = 0, incarnation: int = 1
-    ) -> Child:
+    def spawn(self, name: str, role: str, index: int = 0, incarnation: int = 1, **flags) -> Child:
+        """Fork the process `name` of `role` (ecrec.roles.role_argv; `flags` are its own, e.g. `replacement`)."""
         instance = f"{name}-{incarnation}-{uuid.uuid4().hex[:6]}"
-        if role in ("server", "worker", "spare"):
-            args = (*args, "--instance", instance)
+        member = {"coordinator": self.coordinator_url, "instance": instance} if role != "coordinator" else {}
+        argv = role_argv(role, index, job=str(self.job_file), incarnation=incarnation, **member, **flags)
         child = Child(
             name,
-            ["ecrec", module.rsplit(".", 1)[-1], *args],  # what it runs, as a pod would: `ecrec ROLE ARGS`
+            argv,  # what it runs, as a pod would: `ecrec ROLE ARGS`
             self.out_dir / "logs" / f"{name}.log",
             role=role,
             index=index,
@@ -142,36 +149,11 @@ class LocalCluster:
         return child
 
     def spawn_server(self, shard: int, incarnation: int = 1, replacement: bool = False) -> Child:
-        extra = ["--replacement"] if replacement else []
-        return self.spawn(
-            f"server-{shard}",
-            "ecrec.server",
-            "--job",
-            str(self.job_file),
-            "--shard",
-            str(shard),
-            "--coordinator",
-            self.coordinator_url,
-            *extra,
-            role="server",
-            index=shard,
-            incarnation=incarnation,
-        )
+        return self.spawn(f"server-{shard}", "server", shard, incarnation, replacement=replacement)
 
     def spawn_spare(self, index: int) -> Child:
         """A warm spare (servers.spares): a server process without a shard until the coordinator assigns one."""
-        return self.spawn(
-            f"spare-{index}",
-            "ecrec.server",
-            "--job",
-            str(self.job_file),
-            "--spare",
-            str(index),
-            "--coordinator",
-            self.coordinator_url,
-            role="spare",
-            index=index,
-        )
+        return self.spawn(f"spare-{index}", "spare", index)
 
     def adopt(self, instance: str, shard: int, incarnation: int) -> None:
         """The spare `instance` registered as `shard`: from now on it is that shard's server (what --kill and
@@ -184,31 +166,10 @@ class LocalCluster:
         self.children[child.name] = child
 
     def spawn_worker(self, rank: int, incarnation: int = 1, replacement: bool = False) -> Child:
-        extra = ["--replacement"] if replacement else []
-        return self.spawn(
-            f"worker-{rank}",
-            "ecrec.worker",
-            "--job",
-            str(self.job_file),
-            "--rank",
-            str(rank),
-            "--coordinator",
-            self.coordinator_url,
-            "--incarnation",
-            str(incarnation),
-            *extra,
-            role="worker",
-            index=rank,
-            incarnation=incarnation,
-        )
+        return self.spawn(f"worker-{rank}", "worker", rank, incarnation, replacement=replacement)
 
     def observe(self) -> tuple[Proc, ...]:
         return tuple(c.observed() for c in self.history)
-
-    def post(self, path: str, body: dict) -> dict:
-        r = self.http.post(f"{self.coordinator_url}{path}", json=body)
-        r.raise_for_status()
-        return r.json()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children[name]
@@ -236,14 +197,10 @@ class LocalCluster:
                 c.proc.wait()
         if "forkserver" in self.__dict__:
             self.forkserver.close()
-        self.http.close()
+        if "coordinator" in self.__dict__:
+            self.coordinator.close()
 
     # -- readiness -------------------------------------------------------------------------------------
-    def get(self, path: str) -> dict:
-        r = self.http.get(f"{self.coordinator_url}{path}")
-        r.raise_for_status()
-        return r.json()
-
     def _wait(self, what: str, ready, timeout: float, watch: list[Child], on_coordinator_lost=None) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -268,29 +225,20 @@ class LocalCluster:
     def spawn_coordinator(self, incarnation: int = 1, generation: int = 1, seed: dict | None = None) -> Child:
         """The coordinator, always on the same port: servers and workers keep its URL across a failover, as
         they keep a Service's name on Kubernetes. A replacement starts from `seed` (docs/protocol.md)."""
-        extra: list[str] = []
+        resume = None
         if seed is not None:
             path = self.out_dir / f"coordinator-{incarnation}.resume.json"
             path.write_text(json.dumps(seed))
-            extra = ["--generation", str(generation), "--resume", str(path)]
-        return self.spawn(
-            "coordinator",
-            "ecrec.coordinator",
-            "--job",
-            str(self.job_file),
-            "--port",
-            self.coordinator_url.rsplit(":", 1)[1],
-            *extra,
-            role="coordinator",
-            incarnation=incarnation,
-        )
+            resume = (generation, str(path))
+        port = self.coordinator_url.rsplit(":", 1)[1]
+        return self.spawn("coordinator", "coordinator", 0, incarnation, port=port, resume=resume)
 
     def start(self, timeout: float = 120.0, on_coordinator_lost=None) -> None:
         """Start the coordinator, the servers and spares, and once the servers registered the workers. `on_coordinator_lost`
         replaces a coordinator that dies meanwhile (without it, that fails the start)."""
         self.coordinator_url = f"http://127.0.0.1:{free_port()}"
         coord = self.spawn_coordinator()
-        self._wait("the coordinator", lambda: self.get("/healthz")["ok"], timeout, [coord])
+        self._wait("the coordinator", lambda: self.coordinator.healthz()["ok"], timeout, [coord])
         (self.out_dir / "coordinator.url").write_text(self.coordinator_url)
         servers = [self.spawn_server(s) for s in range(self.ctx.num_servers)]
         for i in range(
@@ -299,7 +247,7 @@ class LocalCluster:
             self.spawn_spare(i)
         self._wait(
             "servers to register",
-            lambda: self.get("/cluster")["ready"],
+            lambda: self.coordinator.cluster()["ready"],
             timeout,
             [coord, *servers],
             on_coordinator_lost,
@@ -351,7 +299,7 @@ class Supervisor:
         self.resume: dict | None = None  # the coordinator's state as of its last status: a successor's seed
         # tests: a seed it returns True for is kept, as if every later pass had missed the status
         self.hold_seed = hold_seed
-        self.events: list[dict] = []  # events for the coordinator, not yet delivered
+        self.events: list[EventIn] = []  # events for the coordinator, not yet delivered
         self.started_at: float | None = None
 
     def tick(self, cluster: LocalCluster, status: dict | None) -> None:
@@ -391,11 +339,9 @@ class Supervisor:
                     at = time.time()
                     cluster.kill(target)
                     self.events.append(
-                        {
-                            "kind": "worker_killed",
-                            "at": at,
-                            "detail": {"rank": int(target.removeprefix("worker-"))},
-                        }
+                        EventIn(
+                            kind="worker_killed", at=at, detail={"rank": int(target.removeprefix("worker-"))}
+                        )
                     )
                 continue
             name = f"server-{target}"
@@ -404,14 +350,14 @@ class Supervisor:
                 # failed before `kill` has reaped the process
                 at = time.time()
                 cluster.kill(name)
-                self.events.append({"kind": "server_killed", "shard": target, "at": at})
+                self.events.append(EventIn(kind="server_killed", shard=target, at=at))
         self._post_events(cluster)
 
     def _post_events(self, cluster: LocalCluster) -> None:
         """What the supervisor did, told to the coordinator; kept until one answers (it may be dead too)."""
         while self.events:
             try:
-                cluster.post("/v1/events", self.events[0])
+                cluster.coordinator.add_event(self.events[0])
             except httpx.HTTPError:
                 return
             self.events.pop(0)
@@ -434,7 +380,7 @@ class Supervisor:
     def _do(self, cluster: LocalCluster, a: Action) -> None:
         if a.kind == "fail":
             try:  # a process that fails says why to the coordinator first: that is the job's reason
-                reason = cluster.get("/v1/status")["reason"]
+                reason = cluster.coordinator.status()["reason"]
             except httpx.HTTPError:
                 reason = None
             if reason:
@@ -477,20 +423,22 @@ class Supervisor:
 
     @staticmethod
     def _tell_coordinator(cluster: LocalCluster, a: Action) -> None:
-        url = cluster.coordinator_url
-        if a.kind == "report_failed":
-            cluster.http.post(f"{url}/v1/failures", json={"shard": a.index, "reporter": "supervisor"})
-        elif a.kind == "start_recovery":
-            r = cluster.http.post(f"{url}/recoveries", json={"shard": a.index})
-            if r.status_code not in (200, 409):  # 409: not registered yet; asked again next tick
-                r.raise_for_status()
-        elif a.kind == "report_worker_finished":
-            cluster.http.post(f"{url}/v1/workers/finished", json={"rank": a.index, "instance": a.instance})
-        else:
-            cluster.http.post(
-                f"{url}/v1/workers/lost",
-                json={"rank": a.index, "instance": a.instance, "replacing": True, "reason": a.reason},
-            )
+        """One report; an error answer is ignored (the next pass decides again), except a recovery's other
+        than a refusal. No answer at all (httpx.TransportError) is the caller's."""
+        coordinator = cluster.coordinator
+        if a.kind == "start_recovery":
+            with contextlib.suppress(Refused):  # not registered yet; asked again next tick
+                coordinator.start_recovery(a.index)
+            return
+        with contextlib.suppress(httpx.HTTPStatusError):
+            if a.kind == "report_failed":
+                coordinator.report_failure(a.index, "supervisor")
+            elif a.kind == "report_worker_finished":
+                coordinator.worker_finished(a.index, a.instance)
+            else:
+                coordinator.worker_lost(
+                    WorkerLost(rank=a.index, instance=a.instance, replacing=True, reason=a.reason)
+                )
 
 
 def _all_recovered(status: dict) -> bool:
@@ -520,9 +468,9 @@ def run_local(
     `hold_seed` (tests): once the coordinator's saved state satisfies it, a successor coordinator starts from
     that state however much later its predecessor dies (the seed a launcher saved just before it missed
     the last few changes)."""
+    from ecrec import finalchecks
     from ecrec import rebuild_error as rebuild
-    from ecrec.client import PSClient, evaluate
-    from ecrec.worker import data_source
+    from ecrec.client import PSClient
 
     if rebuild_error and not ctx.spec.training.deterministic:
         raise ValueError("rebuild_error needs training.deterministic: true (it compares with a rerun)")
@@ -556,26 +504,22 @@ def run_local(
         if recoverable:
             _wait_recovered(cluster, supervisor)
         # Before evaluation adds its reads; every server's /metrics read once for both.
-        served_by = cluster.get("/cluster")
+        served_by = cluster.coordinator.cluster()
         scraped = scrape_servers(served_by)
         extra["rpcs_served"] = rpcs_served(served_by, scraped)
         extra["server_load"] = server_load(served_by, status.get("serverCpuSeconds") or {}, scraped)
         extra["parts_expired"] = parts_expired(scraped)
-        client = PSClient(ctx, cluster.get("/cluster"))
-        try:
-            if ctx.ecrec:
-                _wait_settled(client, ctx.spec.fault_tolerance.ecrec.txn_timeout_seconds)
-            data = data_source(ctx)
-            ev = evaluate(client, data.eval_batches(4096))
-            digest = client.params_sha256()
-            if ctx.ecrec:
-                extra["parity_check"] = client.parity_check()
-                cluster.post("/v1/parity-checks", extra["parity_check"])  # for the coordinator's /metrics
-                extra["staged_after"] = sum(client.staged_counts())
-                extra["dense_replica_mismatches"] = client.dense_replica_mismatches()
+        client = PSClient(ctx, cluster.coordinator.cluster())
+        try:  # evaluation, the digest, the parity check (posted for the coordinator's /metrics), ...
+            found = finalchecks.check(client, coordinator=cluster.coordinator, report=True)
         finally:
             client.close()
-        status = cluster.get("/v1/status")
+        ev, digest, data = found.eval, found.params_sha256, found.data
+        if ctx.ecrec:
+            extra["parity_check"] = found.parity_check
+            extra["staged_after"] = found.staged_after
+            extra["dense_replica_mismatches"] = found.dense_replica_mismatches
+        status = cluster.coordinator.status()
     finally:
         cluster.shutdown()
     if recoverable:
@@ -604,12 +548,10 @@ def run_local(
     # to be disturbed and was not says so instead of passing for one that recovered.
     extra["kills_missed"] = [f"{target}@{at}" for target, at in supervisor.kills]
     if rebuild_error:
-        extra["rebuild_error"] = rebuild.measure(ctx, out_dir / "rebuild-error", progress=progress)
+        extra["rebuild_error"] = rebuild.measure(ctx, out_dir / "rebuild-error", run_local, progress=progress)
     evaluation = {"auc": ev["auc"], "logloss": ev["logloss"], "samples": ev["samples"]}
     # Logistic regression and a factorization machine on the same split: a bar for the DLRM's numbers.
-    from ecrec.reference import reference_for_job
-
-    reference = reference_for_job(spec, data)
+    reference = finalchecks.reference(spec, data)
     if reference:
         evaluation["reference"] = reference
     return {
@@ -718,15 +660,6 @@ def server_load(
     ]
 
 
-def _wait_settled(client, txn_timeout: float) -> None:
-    """A worker that died mid-update leaves parts staged; the servers settle them within a few txnTimeouts
-    (ShardStore.expire). The report's checks describe the state with nothing in flight, so give them that
-    time — and no more: what is still staged afterwards is reported (staged_after) as the bug it is."""
-    deadline = time.monotonic() + 3 * txn_timeout + 5.0
-    while sum(client.staged_counts()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-
-
 def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: float = 300.0) -> None:
     """Training may end before a recovery does: the report's checks need every shard rebuilt."""
     end = time.monotonic() + timeout
@@ -746,7 +679,7 @@ def _wait_recovered(cluster: LocalCluster, supervisor: Supervisor, timeout: floa
 def _status(cluster: LocalCluster) -> dict | None:
     """The coordinator's status, or None while it does not answer (killed, or its successor starting)."""
     try:
-        return cluster.get("/v1/status")
+        return cluster.coordinator.status()
     except httpx.HTTPError:
         return None
 

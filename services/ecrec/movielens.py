@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from ecrec.data import _TRAIN_STREAM, Batch, _slices, _stream_generator
+from ecrec.batches import TRAIN_STREAM, Batch, slices, stream_generator
 
 DIR_ENV = "ECREC_MOVIELENS_DIR"  # a directory holding the three files; wins over the places below
 # Where `make` puts the three files (copied out of the wheel, which is not installed: it would bring a
@@ -268,7 +268,7 @@ class MovieLensData:
         with self._lock:
             perm = self._perms.get(epoch)
             if perm is None:
-                g = _stream_generator(self.seed, _TRAIN_STREAM, epoch)
+                g = stream_generator(self.seed, TRAIN_STREAM, epoch)
                 perm = torch.randperm(self.n_train, generator=g)
                 if len(self._perms) >= _EPOCHS_CACHED:
                     self._perms.pop(min(self._perms))
@@ -296,4 +296,4 @@ class MovieLensData:
         return Batch(t.dense[rows], t.ids[rows], t.labels[rows])
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        yield from _slices(self.held_out, batch_size)
+        yield from slices(self.held_out, batch_size)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ecrec.core.roles import PROCESS_ROLES
+
 LABEL_JOB = "ecrec.dev/job"
 LABEL_ROLE = "ecrec.dev/role"
 LABEL_SHARD = "ecrec.dev/shard"
@@ -14,7 +16,7 @@ LABEL_RANK = "ecrec.dev/rank"
 LABEL_INCARNATION = "ecrec.dev/incarnation"
 LABEL_SPARE = "ecrec.dev/spare"  # a warm spare's index; once it takes over a shard it is relabelled a server
 
-ROLES = ("coordinator", "server", "worker", "spare")
+ROLES = PROCESS_ROLES  # a pod's role label: a role, or spare
 INDEX_LABELS = {"server": LABEL_SHARD, "worker": LABEL_RANK, "spare": LABEL_SPARE}
 
 

@@ -4,8 +4,9 @@
 geometry and state before anything happens, checks epochs, maps errors to status codes (bad input ->
 INVALID_ARGUMENT, stale map or a request that does not fit the server's state -> FAILED_PRECONDITION, busy rows
 -> ABORTED, anything unexpected -> INTERNAL, logged once), and records metrics. An epoch is adopted only once
-the coordinator's published map confirms it. `GrpcPeers` is the store's window on the other servers; `ClusterView` keeps this process's copy of
-the cluster map, refreshed from the coordinator's heartbeat answers.
+the coordinator's published map confirms it. `GrpcPeers` is the store's window on the other servers. The
+process's side of the coordinator (its copy of the cluster map, registration and heartbeats, a spare's wait)
+is `ecrec.serverlink`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import contextlib
 import functools
 import logging
-import os
 import signal
 import threading
 import time
@@ -28,10 +28,13 @@ import torch
 from ecrec import auth, faults, rest
 from ecrec.core.txn import DeltaBatch, RowsBusy
 from ecrec.core.update import parse_txn
+from ecrec.ft.servicer import CheckpointHandlers, CheckpointRefused
+from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics, StoreCollector
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
+from ecrec.serverlink import ClusterView, CoordinatorLink, wait_as_spare
 from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
 from ecrec.streams import StreamEndpoint
 from ecrec.wire import (
@@ -45,10 +48,6 @@ from ecrec.wire import (
 
 log = logging.getLogger("ecrec.server")
 
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 512 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 512 * 1024 * 1024),
-]
 KIND_NAMES = {pb.DATA: "data", pb.PARITY: "parity", pb.DENSE: "dense"}
 
 
@@ -63,73 +62,6 @@ class WrongState(Exception):
 def new_instance() -> str:
     """An id for this process, unique across restarts: the coordinator tells processes of a shard apart by it."""
     return uuid.uuid4().hex[:16]
-
-
-class ClusterView:
-    """This process's copy of the cluster map (addresses and states by shard id)."""
-
-    def __init__(self, coordinator: str = "", snapshot: dict | None = None, token: str | None = None):
-        self.url = coordinator.rstrip("/")
-        self.lock = threading.Lock()
-        self.snapshot = snapshot or {"epoch": 0, "shards": []}
-        self.http = rest.client(timeout=5.0, token=token) if coordinator else None
-        self._refresh_lock = threading.Lock()
-        self._refreshed_at = 0.0
-
-    @property
-    def epoch(self) -> int:
-        return int(self.snapshot["epoch"])
-
-    def update(self, snapshot: dict) -> bool:
-        with self.lock:
-            if int(snapshot["epoch"]) >= self.epoch:
-                self.snapshot = snapshot
-                return True
-            return False
-
-    def refresh(self) -> None:
-        if self.http is not None:
-            self.update(self.http.get(f"{self.url}/cluster").json())
-
-    def confirm(self, epoch: int) -> bool:
-        """Is `epoch` published by the coordinator? Fetches the map if this view is behind, at most once per
-        50 ms however many requests ask (one fetch answers them all; a flood of made-up epochs costs the
-        coordinator 20 requests a second at most)."""
-        if epoch <= self.epoch:
-            return True
-        with self._refresh_lock:
-            if epoch <= self.epoch:
-                return True
-            if self.http is None or time.monotonic() - self._refreshed_at < 0.05:
-                return False
-            self._refreshed_at = time.monotonic()
-            with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
-                self.refresh()
-            return epoch <= self.epoch
-
-    def shard(self, s: int) -> dict:
-        with self.lock:
-            shards = self.snapshot["shards"]
-            return shards[s] if 0 <= s < len(shards) else {"state": "pending", "address": ""}
-
-    def address(self, s: int) -> str:
-        return self.shard(s)["address"]
-
-    def is_failed(self, s: int) -> bool:
-        return self.shard(s)["state"] == "failed"
-
-    def confirm_failed(self, s: int, reporter: str) -> bool:
-        """Ask the coordinator to confirm (probe) a peer we could not reach; True if it is failed."""
-        if self.http is None:
-            return True
-        try:
-            r = self.http.post(
-                f"{self.url}/v1/failures", json={"shard": s, "reporter": reporter}, timeout=10.0
-            )
-            self.update(r.json()["cluster"])
-        except httpx.HTTPError:
-            time.sleep(0.2)
-        return self.is_failed(s)
 
 
 class GrpcPeers:
@@ -274,7 +206,7 @@ def rpc(method: str, check_epoch: bool = True):
                     return fn(self, request, context)
                 except InvalidRequest as e:
                     code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-                except (StaleEpoch, NotOwner, WrongState) as e:
+                except (StaleEpoch, NotOwner, WrongState, CheckpointRefused) as e:
                     code, msg = grpc.StatusCode.FAILED_PRECONDITION, str(e)
                 except (Busy, RowsBusy) as e:
                     code, msg = grpc.StatusCode.ABORTED, f"busy: {e}"
@@ -310,10 +242,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self.view = view or ClusterView()
         self.store.epoch = epoch
         self.instance = instance or new_instance()
-        # checknrun: checkpoint files written in the background, one at a time, by checkpoint id
-        self._writer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-        self._writes: dict[int, futures.Future] = {}
-        self._writes_lock = threading.Lock()
+        self.checkpoints = CheckpointHandlers(store)  # Checkpoint and Restore (ecrec.ft.servicer)
         self.streams = StreamEndpoint(self)  # the Calls stream runs the methods below, one message each
 
     def Calls(self, request_iterator, context):
@@ -562,7 +491,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             info = self.view.shard(shard)
             if info.get("state") == "recovering" and instance in (None, info.get("instance")):
                 return True
-            if attempt == 0 and self.view.http is not None:
+            if attempt == 0 and self.view.coordinator is not None:
                 with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
                     self.view.refresh()
         return False
@@ -614,109 +543,16 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             records=floats_to_bytes(recs), width=recs.shape[1], count=recs.shape[0], txns=txns
         )
 
-    # -- checkpoint strategies ---------------------------------------------------------------------------
-    def _checkpoints(self):
-        from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
-        from ecrec.ft.files import ManifestStore
-
-        ctx = self.store.ctx
-        if ctx.spec.fault_tolerance.strategy not in CHECKPOINT_STRATEGIES:
-            raise WrongState(
-                f"faultTolerance.strategy {ctx.spec.fault_tolerance.strategy} takes no checkpoints"
-            )
-        return ManifestStore.for_job(ctx.job)
-
+    # -- checkpoint strategies (ecrec.ft.servicer) -------------------------------------------------------
     @rpc("Checkpoint", check_epoch=False)
     def Checkpoint(self, request, context):
-        """Write this shard's part of checkpoint `checkpoint` under the job's checkpoint directory. checknrun
-        decouples it: the first call copies the state (a baseline, or the rows changed since the last one)
-        and answers; the file is quantized and written on a thread; a call with await_written answers once
-        it is there."""
-        from ecrec.ft.files import encode_records, write_shard
-
-        start = time.perf_counter()
-        store = self._checkpoints()
-        if request.checkpoint < 1:
-            raise InvalidRequest("checkpoint: ids start at 1")
-        ctx = self.store.ctx
-        if request.hot:  # cpr: the hot rows, exact, while training goes on
-            if self.store.snapshots.hot is None:
-                raise WrongState("hot-row saves need faultTolerance.strategy cpr with cpr.hotRows mfu or ssu")
-            t = self.store.hot_tensors()
-            entry = write_shard(store.root, request.checkpoint, self.store.shard, t)
-            return _checkpoint_answer(entry, int(t["index"].numel()), start)
-        if ctx.spec.fault_tolerance.strategy != "checknrun":
-            faults.fault_point("checkpoint:before_write")
-            entry = write_shard(
-                store.root, request.checkpoint, self.store.shard, self.store.checkpoint_tensors()
-            )
-            faults.fault_point("checkpoint:after_write")
-            return _checkpoint_answer(entry, self.store.num_rows, start)
-        if request.await_written:
-            with self._writes_lock:
-                fut = self._writes.get(request.checkpoint)
-            if fut is None:
-                raise WrongState(f"checkpoint {request.checkpoint} was never begun on this server")
-            entry, rows = fut.result()
-            return _checkpoint_answer(entry, rows, start)
-        base = None if request.baseline else int(request.base)
-        t = self.store.checkpoint_tensors(request.checkpoint, base=base)
-        bits = ctx.spec.fault_tolerance.checknrun.quantize_bits
-        rows = int(t["rows"].shape[0])
-
-        def write() -> tuple[dict, int]:
-            encoded = {k: v for k, v in t.items() if k != "rows"} | encode_records(t["rows"], ctx.dim, bits)
-            faults.fault_point("checkpoint:before_write")
-            entry = write_shard(store.root, request.checkpoint, self.store.shard, encoded)
-            faults.fault_point("checkpoint:after_write")
-            return entry, rows
-
-        with self._writes_lock:
-            self._writes = {c: f for c, f in self._writes.items() if c >= request.checkpoint - 1}
-            self._writes[request.checkpoint] = self._writer.submit(write)
-        return pb.CheckpointResponse(rows=rows, seconds=time.perf_counter() - start)
+        """Write this shard's part of a checkpoint (CheckpointHandlers.checkpoint)."""
+        return self.checkpoints.checkpoint(request)
 
     @rpc("Restore", check_epoch=False)
     def Restore(self, request, context):
-        """Load this shard's part of a committed checkpoint (0: the initial state), replacing all its state;
-        for a checknrun increment, its baseline and then the increment's rows."""
-        from ecrec.ft.files import CheckpointError, decode_records
-
-        start = time.perf_counter()
-        store = self._checkpoints()
-        ctx = self.store.ctx
-        try:
-            if not request.checkpoint:
-                rows = self.store.load_checkpoint(None)
-            elif ctx.spec.fault_tolerance.strategy == "checknrun":
-                base_id = store.manifest(request.checkpoint).get("base") or request.checkpoint
-                base, inc = store.read_chain(request.checkpoint, self.store.shard)
-                bits = ctx.spec.fault_tolerance.checknrun.quantize_bits
-                for t in (base, inc):
-                    if t is not None:
-                        t["rows"] = decode_records(t, ctx.dim, bits)
-                rows = self.store.load_checkpoint(
-                    base, *([inc] if inc is not None else []), base=int(base_id)
-                )
-            else:  # checkpoint, or cpr: its full checkpoint, then the hot-row saves since, oldest first
-                full, *hots = store.hot_chain(request.checkpoint)
-                shard = self.store.shard
-                rows = self.store.load_checkpoint(
-                    store.read_shard(full, shard), *(store.read_shard(h, shard) for h in hots)
-                )
-        except CheckpointError as e:
-            raise WrongState(str(e)) from e
-        return pb.RestoreResponse(rows=rows, seconds=time.perf_counter() - start)
-
-
-def _checkpoint_answer(entry: dict, rows: int, start: float):
-    return pb.CheckpointResponse(
-        file=entry["file"],
-        sha256=entry["sha256"],
-        bytes=entry["bytes"],
-        rows=rows,
-        seconds=time.perf_counter() - start,
-    )
+        """Load this shard's part of a committed checkpoint (CheckpointHandlers.restore)."""
+        return self.checkpoints.restore(request)
 
 
 def start_grpc(
@@ -736,156 +572,6 @@ def start_grpc(
         raise RuntimeError(f"could not bind gRPC server to {bind}")
     server.start()
     return server, port
-
-
-class CoordinatorLink:
-    """Registration and heartbeats of one server; exits the process if the coordinator disowns it."""
-
-    def __init__(
-        self,
-        url: str,
-        shard: int,
-        address: str,
-        metrics_url: str,
-        interval: float,
-        instance: str,
-        token: str | None = None,
-    ):
-        self.url, self.shard, self.address, self.metrics_url = url.rstrip("/"), shard, address, metrics_url
-        self.interval, self.instance = interval, instance
-        self.incarnation = 0  # as the coordinator counted it at registration: what a rejoin claims
-        self.http = rest.client(timeout=5.0, token=token)
-
-    def register(self, replacement: bool, deadline_s: float = 60.0) -> dict:
-        end = time.monotonic() + deadline_s
-        while True:
-            try:
-                r = self.http.post(
-                    f"{self.url}/v1/servers/register",
-                    json={
-                        "shard": self.shard,
-                        "address": self.address,
-                        "instance": self.instance,
-                        "metricsUrl": self.metrics_url,
-                        "replacement": replacement,
-                        "cpuSeconds": time.process_time(),
-                    },
-                )
-                if r.status_code == 409:
-                    # Refused: the process this one replaces may still answer for a moment (a pod being
-                    # terminated); ask again until the deadline, then give up and say why.
-                    detail = r.json().get("detail")
-                    if time.monotonic() > end:
-                        raise RuntimeError(f"registration refused: {detail}")
-                    log.warning("registration refused, asking again: %s", detail)
-                    time.sleep(1.0)
-                    continue
-                r.raise_for_status()
-                body = r.json()
-                self.incarnation = int(body["cluster"]["shards"][self.shard].get("incarnation", 0))
-                return body
-            except httpx.HTTPError:
-                if time.monotonic() > end:
-                    raise
-                time.sleep(0.2)
-
-    def heartbeat_forever(
-        self, servicer: ParameterServicer, stop: threading.Event, expire_now: threading.Event | None = None
-    ) -> None:
-        """Heartbeats until `stop`; each answer brings the map and the worker processes known to be gone, and
-        `expire_now` is set when one of those is new (what it staged here is settled at once)."""
-        store = servicer.store
-        while not stop.wait(self.interval):
-            try:
-                r = self.http.post(
-                    f"{self.url}/v1/servers/heartbeat",
-                    json={
-                        "shard": self.shard,
-                        "address": self.address,
-                        "instance": self.instance,
-                        "epoch": store.epoch,
-                        "recovered": store.replacement and store.recovery_done(),
-                        "rowsRecovered": store.stats["rows_recovered"],
-                        # so that a coordinator replacing a dead one can admit this process (a rejoin)
-                        "incarnation": self.incarnation,
-                        "metricsUrl": self.metrics_url,
-                        "cpuSeconds": time.process_time(),
-                    },
-                )
-                r.raise_for_status()
-                body = r.json()
-            except httpx.HTTPError as e:
-                log.warning("heartbeat failed: %s", e)
-                continue
-            if not body["ok"]:
-                log.error("the coordinator no longer lists this process as shard %d; exiting", self.shard)
-                stop.set()
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            servicer.view.update(body["cluster"])
-            store.epoch = max(store.epoch, int(body["epoch"]))
-            servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
-            try:
-                fenced = store.fence_workers(body.get("workersGone") or {})
-            except (AttributeError, TypeError, ValueError) as e:  # a malformed list must not stop heartbeats
-                log.warning("heartbeat: ignoring workersGone %r: %s", body.get("workersGone"), e)
-                fenced = False
-            if fenced and expire_now is not None:
-                expire_now.set()
-
-
-def wait_as_spare(
-    url: str,
-    instance: str,
-    interval: float,
-    token: str | None,
-    stop: threading.Event,
-    serving: threading.Event,
-) -> int | None:
-    """A warm spare (servers.spares, ecrec.core.spares): register without a shard and heartbeat until the
-    coordinator assigns one; returns it, or None when the job finished (or this process was told to stop).
-    Everything slow about starting a server (the interpreter, imports, the job) is done before this. Once
-    assigned, a thread goes on heartbeating as the spare until `serving` is set (registered as the shard): a
-    takeover that takes longer than the failure timeout must not look like a dead spare."""
-    # Heartbeats are long polls of `interval` each: the coordinator answers at once when it assigns a shard.
-    http = rest.client(timeout=5.0 + interval, token=token)
-    base = url.rstrip("/")
-    path, last_log = "/v1/spares/register", 0.0
-
-    def keep_alive() -> None:
-        while not serving.wait(interval) and not stop.is_set():
-            try:
-                http.post(f"{base}/v1/spares/heartbeat", json={"instance": instance})
-            except httpx.HTTPError:
-                pass
-        http.close()
-
-    while not stop.is_set():
-        body, sent = {"instance": instance, "cpuSeconds": time.process_time()}, time.monotonic()
-        try:
-            r = http.post(f"{base}{path}", json=body | {"wait": interval})
-            r.raise_for_status()
-            body = r.json()
-        except httpx.HTTPError as e:  # no coordinator now (a successor being started): keep asking
-            if time.monotonic() - last_log > 5.0:
-                log.warning("spare: the coordinator did not answer: %s", e)
-                last_log = time.monotonic()
-            stop.wait(interval)
-            continue
-        if body.get("finished"):
-            break
-        if body.get("assigned") is not None:
-            threading.Thread(target=keep_alive, daemon=True, name="spare-keepalive").start()
-            return int(body["assigned"])
-        if body.get("registered"):
-            path = "/v1/spares/heartbeat"  # it waited for an assignment already: ask again at once
-            if time.monotonic() - sent < interval / 4:  # (unless it did not wait: never spin)
-                stop.wait(interval / 4)
-        else:  # a coordinator that does not know this spare (it replaced the one it registered with): again
-            path = "/v1/spares/register"
-            stop.wait(interval)
-    http.close()
-    return None
 
 
 def warm_up(ctx: JobContext) -> None:

@@ -3,40 +3,93 @@ path"), as a driver around the pure bookkeeping of `ecrec.core.update`.
 
 `UpdateDriver.apply` plans the step's parts under the client's cluster map (`StepUpdate`), and runs passes —
 stage, deliver the deltas, commit, queue the decisions — until every row's update is applied exactly once. It
-owns the commit decisions not yet delivered to their parity servers (`DecisionQueue`); everything about
-transport and the map (calls, failures, degraded-row counts) is the `PSClient`'s, which it drives.
+owns the commit decisions not yet delivered to their parity servers (`LockedDecisions`: the core's
+`DecisionQueue` under a lock of its own, taken only around the queue's own operations, never across a call);
+everything about transport and the map (calls, failures, degraded-row counts) is the `PSClient`'s, which it
+drives through the part of its interface named by `Transport` (the client imports this module, not the
+other way round).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import grpc
 import torch
 
-from ecrec.core.update import DecisionQueue, Part, StepUpdate
+from ecrec.core.update import DecisionQueue, MapView, Part, StepUpdate
 from ecrec.faults import fault_point
+from ecrec.jobctx import JobContext
+from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 
-if TYPE_CHECKING:
-    from ecrec.client import PSClient
-
 log = logging.getLogger("ecrec.client")
+
+
+class Transport(Protocol):
+    """What the driver uses of its client (ecrec.client.PSClient): calls, the cluster map, failure reports."""
+
+    ctx: JobContext
+    epoch: int
+    timeout: float
+    progress_timeout: float
+    metrics: Metrics
+    stubs: dict[int, Any]
+
+    def call(self, shard: int, method: str, request) -> Future: ...
+    def failed(self, shard: int) -> bool: ...
+    def degraded(self) -> bool: ...
+    def view(self) -> MapView: ...
+    def report_failure(self, shard: int) -> None: ...
+    def recover_from(self, shard: int, err: grpc.RpcError) -> None: ...
+    def note_degraded(self, kind: str, shard: int, rows: int) -> None: ...
+
+
+class LockedDecisions:
+    """The core's DecisionQueue, shared by threads: the update thread queues and takes, any thread may flush
+    (a new map of a failure flushes at once). Its lock guards the queue alone and is held only for one
+    operation on it."""
+
+    def __init__(self) -> None:
+        self._queue = DecisionQueue()
+        self._lock = threading.Lock()
+
+    def add(self, decisions: Iterable[tuple[int, object]]) -> None:
+        with self._lock:
+            self._queue.add(decisions)
+
+    def take(self, server: int) -> list:
+        with self._lock:
+            return self._queue.take(server)
+
+    def take_all(self) -> dict[int, list]:
+        with self._lock:
+            return self._queue.take_all()
+
+    def put_back(self, server: int, decisions: list) -> None:
+        with self._lock:
+            self._queue.put_back(server, decisions)
+
+    def __bool__(self) -> bool:
+        with self._lock:
+            return bool(self._queue)
 
 
 class UpdateDriver:
     """One worker's ECRec updates through `client` (one step at a time: the worker keeps one in flight)."""
 
-    def __init__(self, client: PSClient):
+    def __init__(self, client: Transport):
         self.client, self.ctx = client, client.ctx
         # Commit decisions not yet delivered, by parity server: they ride on the next stage at the same
         # server (see apply).
-        self.decisions = DecisionQueue()
+        self.decisions = LockedDecisions()
 
     def apply(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
         """Apply one step's update with the worker-coordinated 2PC of docs/protocol.md; returns when every

@@ -2,7 +2,11 @@
 
 gRPC hands us immutable `bytes`; torch.frombuffer wraps them without a copy (the tensor is read-only in
 spirit, so callers that keep or mutate it must clone). Every decoder checks sizes and raises
-`InvalidRequest`, which servicers turn into INVALID_ARGUMENT.
+`InvalidRequest` (ecrec.core.errors, re-exported here), which servicers turn into INVALID_ARGUMENT.
+
+Importing this module silences torch's "buffer is not writable" warning process-wide: every process that
+decodes tensors from gRPC bytes imports it (the client's own reads of records rely on it too). The core does
+not import it, so the core's import changes no filter.
 """
 
 from __future__ import annotations
@@ -11,14 +15,20 @@ import warnings
 
 import torch
 
+from ecrec.core.errors import InvalidRequest
 from ecrec.core.vec import all_finite
 
 # torch.frombuffer warns that bytes are not writable; we never write through these views.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-
-class InvalidRequest(ValueError):
-    """A request that is malformed or asks for something this server does not hold."""
+__all__ = [
+    "InvalidRequest",
+    "bytes_to_floats",
+    "bytes_to_ids",
+    "check_finite",
+    "floats_to_bytes",
+    "ids_to_bytes",
+]
 
 
 def ids_to_bytes(ids: torch.Tensor) -> bytes:

@@ -23,8 +23,10 @@ import httpx
 import torch
 import torch.nn.functional as F
 
-from ecrec import faults, rest
+from ecrec import faults
 from ecrec.client import Pending, PSClient
+from ecrec.coordinator.client import CoordinatorClient, Refused
+from ecrec.coordinator.contract import Progress, RegisterWorker
 from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
 from ecrec.core.recovery import MAX_STEP_TIMES
 from ecrec.data import Batch, make_data_source
@@ -32,6 +34,7 @@ from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
 from ecrec.model import flatten_dense_grad, load_dense_
 from ecrec.retries import ServerUnavailable, Stalled
+from ecrec.termination import EXIT_CODE, Terminated, Termination
 
 log = logging.getLogger("ecrec.worker")
 
@@ -161,9 +164,9 @@ class CoordinatorLink:
     def __init__(
         self, url: str, rank: int, instance: str, incarnation: int, patience: float, token: str | None = None
     ):
-        self.url, self.rank, self.instance, self.incarnation = url.rstrip("/"), rank, instance, incarnation
+        self.rank, self.instance, self.incarnation = rank, instance, incarnation
         self.patience = patience  # how long to keep trying before the worker gives up
-        self.http = rest.client(timeout=10.0, token=token)
+        self.coordinator = CoordinatorClient(url, token=token, timeout=10.0)
         self._last_log = 0.0
 
     def _retry(self, what: str, call):
@@ -182,27 +185,29 @@ class CoordinatorLink:
                 time.sleep(0.2)
 
     def register(self, replacement: bool, rejoin: bool = False, step: int = 0, samples: int = 0) -> dict:
-        body = {"rank": self.rank, "instance": self.instance, "incarnation": self.incarnation}
-        body |= {"replacement": replacement, "rejoin": rejoin, "step": step, "samples": samples}
-        body["cpuSeconds"] = time.process_time()
+        req = RegisterWorker(
+            rank=self.rank,
+            instance=self.instance,
+            incarnation=self.incarnation,
+            replacement=replacement,
+            rejoin=rejoin,
+            step=step,
+            samples=samples,
+            cpuSeconds=time.process_time(),
+        )
 
         def call() -> dict:
-            r = self.http.post(f"{self.url}/v1/workers/register", json=body)
-            if r.status_code == 409:
-                log.error("registration refused: %s", r.json().get("detail"))
-                raise SystemExit(2)
-            r.raise_for_status()
-            return r.json()
+            try:
+                return self.coordinator.register_worker(req)
+            except Refused as e:
+                log.error("registration refused: %s", e.detail)
+                raise SystemExit(2) from e
 
         return self._retry("registration", call)
 
     def wait_start(self) -> None:
         def started() -> bool:
-            r = self.http.get(
-                f"{self.url}/v1/workers/start", params={"rank": self.rank, "instance": self.instance}
-            )
-            r.raise_for_status()
-            body = r.json()
+            body = self.coordinator.workers_start(self.rank, self.instance)
             if body.get("registered") is False:  # a coordinator that replaced the one we registered with
                 self.register(replacement=False, rejoin=True)
             return body["started"]
@@ -211,31 +216,19 @@ class CoordinatorLink:
             time.sleep(0.05)
 
     def cluster(self) -> dict:
-        def call() -> dict:
-            r = self.http.get(f"{self.url}/cluster")
-            r.raise_for_status()
-            return r.json()
+        return self._retry("reading the cluster map", self.coordinator.cluster)
 
-        return self._retry("reading the cluster map", call)
-
-    def progress(self, body: dict) -> dict:
+    def progress(self, report: Progress) -> dict:
         """One progress report; a coordinator that does not list this process is told who it is first."""
-        r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
-        if r.status_code == 409:
-            self.register(replacement=False, rejoin=True, step=body["step"], samples=body["samples"])
-            r = self.http.post(f"{self.url}/v1/workers/progress", json=body)
-        r.raise_for_status()
-        return r.json()
+        try:
+            return self.coordinator.report_progress(report)
+        except Refused:
+            self.register(replacement=False, rejoin=True, step=report.step, samples=report.samples)
+            return self.coordinator.report_progress(report)
 
     def control(self) -> dict:
         """What the checkpoint strategies tell workers now (ecrec.core.checkpointing.CheckpointCycle.control)."""
-
-        def call() -> dict:
-            r = self.http.get(f"{self.url}/v1/workers/control")
-            r.raise_for_status()
-            return r.json()
-
-        return self._retry("reading the control state", call)
+        return self._retry("reading the control state", self.coordinator.workers_control)
 
 
 class ProgressReporter:
@@ -302,7 +295,8 @@ class ProgressReporter:
                 "cpuSeconds": time.process_time(),
             }
             self.step_times.clear()  # a report that fails loses them: only a recovery's precision suffers
-        answer = self.link.progress(body | (self.counters() if self.counters is not None else {}))
+        counters = self.counters() if self.counters is not None else {}
+        answer = self.link.progress(Progress(**body, **counters))
         if answer.get("control") is not None:
             self.control = answer["control"]
 
@@ -442,6 +436,22 @@ def _settle(in_flight) -> None:
             log.info("update in flight lost with its server: %s", e)
 
 
+def _wind_down(in_flight, client: PSClient, reporter: ProgressReporter, rank: int) -> None:
+    """SIGTERM: leave nothing staged and tell the coordinator how far this process got — not an error (that
+    would fail the job) and not done. Its launcher sees it exit with EXIT_CODE, reports it lost and replaces it
+    (ecrec.core.reconcile); the replacement resumes after this report's step."""
+    try:
+        _settle(in_flight)  # the update of the last step
+        client.flush_decisions()  # its decisions: the parity servers need not ask for them
+    except Exception as e:  # a server that does not answer: the protocol's rules for a lost worker apply
+        log.warning("SIGTERM: the last update was not settled: %s", e)
+    try:
+        reporter._post()  # once, not retried: the watchdog would end a long wait anyway
+    except (Exception, SystemExit) as e:
+        log.warning("SIGTERM: the last progress report failed: %s", e)
+    log.info("SIGTERM: worker %d stopped after step %d; exiting with %d", rank, reporter.step, EXIT_CODE)
+
+
 def run_worker(
     ctx: JobContext,
     rank: int,
@@ -450,10 +460,13 @@ def run_worker(
     instance: str,
     incarnation: int = 1,
     replacement: bool = False,
+    term: Termination | None = None,
 ) -> None:
     """Train rank `rank`'s steps. A replacement (a later incarnation of a rank whose process was lost) resumes
     at the step where the coordinator's record of its predecessor's progress ends: steps the predecessor
-    completed after its last report are trained again (at least once, not exactly once)."""
+    completed after its last report are trained again (at least once, not exactly once). `term`: SIGTERM
+    (ecrec.termination) stops it after the step under way, with Terminated."""
+    term = term or Termination()  # not installed: never requested
     spec = ctx.spec
     workers = spec.workers.replicas
     threads = spec.workers.threads or max(1, (os.cpu_count() or 1) // (workers + spec.servers.replicas))
@@ -499,23 +512,24 @@ def run_worker(
                 if holds is not None and holds.acked:
                     txn += f"r{holds.acked}"
                 try:
-                    loss, uniq, row_grads, dense_grad = trainer.step(batch, step)
-                    if in_flight is not None:  # at most one update in flight: wait for the previous step's
-                        in_flight.wait()
-                    in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
-                    if spec.training.deterministic:
-                        in_flight.wait()
-                        in_flight = None
+                    with term.step():  # a SIGTERM now ends the worker once this step is done
+                        loss, uniq, row_grads, dense_grad = trainer.step(batch, step)
+                        if in_flight is not None:  # at most one update in flight: the previous step's
+                            in_flight.wait()
+                        in_flight = trainer.push(uniq, row_grads, dense_grad, txn)
+                        if spec.training.deterministic:
+                            in_flight.wait()
+                            in_flight = None
+                        reporter.stepped(step + 1, (step + 1) * B, loss, time.time())
+                        metrics.of(metrics.steps).inc()
+                        metrics.of(metrics.samples).inc(B)
+                        step += 1
                 except ServerUnavailable as e:
                     if holds is None:
                         raise
                     in_flight = None
                     holds.server_lost(e)  # then a rollback (next check), or the step again once it is back
                     continue
-                reporter.stepped(step + 1, (step + 1) * B, loss, time.time())
-                metrics.of(metrics.steps).inc()
-                metrics.of(metrics.samples).inc(B)
-                step += 1
             if holds is None:
                 if in_flight is not None:
                     in_flight.wait()
@@ -525,7 +539,11 @@ def run_worker(
             if (jump := holds.wait_finished()) is None:
                 break
             step = jump
+        term.finishing()  # trained: a SIGTERM from now on lets it finish (exit 0)
         client.flush_decisions()  # the last step's decisions had no next step to ride on
+    except Terminated:
+        _wind_down(in_flight, client, reporter, rank)
+        raise
     except (ServerUnavailable, Stalled, NonFiniteStep) as e:  # the reason names the server / step and rows
         log.error("%s", e)
         reporter.finish(error=str(e))
@@ -558,6 +576,19 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s worker-{args.rank} %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # PID 1 of a pod ignores a SIGTERM it has no handler for: the pod would wait out its grace period.
+    term = Termination().install()
+    try:
+        _main(args, term)
+    except Terminated:
+        # Wound down (or nothing to wind down): exit now. The interpreter's own finalization (a collection of
+        # torch's heap) was seen taking seconds of a pod's grace period on a busy machine.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)
+
+
+def _main(args: argparse.Namespace, term: Termination) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     faults.configure(f"worker-{args.rank}")
     ctx = JobContext.load(args.job)
@@ -572,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         args.instance or uuid.uuid4().hex[:16],
         args.incarnation,
         args.replacement,
+        term,
     )
 
 

@@ -88,7 +88,7 @@ def ecrec_crd(kube: KubeTestEnv) -> str:
 
 @pytest.fixture(scope="session")
 def kubelet(kube: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
-    """The test kubelet (tests/k8s/kubelet.py) on node ecrec-local-0 of the `kube` control plane: pending pods
+    """The test kubelet (tests/k8s/kubelet/) on node ecrec-local-0 of the `kube` control plane: pending pods
     get bound and run as local processes. Its log and the pods' logs are under `kubelet.out_dir` (a pytest
     temp dir: `kubelet.log`, `pods/<ns>_<pod>/<container>.log`). Stopped, with every process it started,
     before the control plane."""

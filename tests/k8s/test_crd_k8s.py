@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -209,7 +209,7 @@ def status_patch(kube: KubeTestEnv, patch: dict[str, Any], check: bool = True) -
 
 
 def test_status_round_trips_through_the_status_subresource(kube: KubeTestEnv, job: dict[str, Any]):
-    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    t = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     status = JobStatus.model_validate(
         {
             "observedGeneration": job["metadata"]["generation"],

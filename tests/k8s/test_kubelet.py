@@ -1,4 +1,4 @@
-"""The test kubelet (tests/k8s/kubelet.py) against the real API server: it registers its node, binds and runs
+"""The test kubelet (tests/k8s/kubelet/) against the real API server: it registers its node, binds and runs
 pods as local processes on their own loopback IPs, reports their status (phase, conditions, probes, exit
 codes, restarts), resolves Service DNS names in env, honours restartPolicy and graceful deletion, refuses
 unknown images, and leaves no process behind when it stops or dies."""

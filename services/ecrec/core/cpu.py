@@ -10,7 +10,7 @@ counts, a start-up does not). Pure bookkeeping, no clock and no I/O.
 
 from __future__ import annotations
 
-ROLES = ("coordinator", "server", "worker")
+from ecrec.core.roles import ROLES
 
 
 class CpuAccount:

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ecrec.core.errors import InvalidRequest
 from ecrec.core.hotrows import make_tracker
 from ecrec.core.vec import in_range
-from ecrec.wire import InvalidRequest
 
 MAX_BASELINE_MASKS = 4  # checknrun: baselines whose updated rows a server tracks (uncommitted ones included)
 

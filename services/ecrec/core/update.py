@@ -17,7 +17,6 @@ step is harmless (ShardStore.stage skips steps in its copy log), so erring towar
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -195,34 +194,28 @@ class DecisionQueue:
     """Commit decisions a worker owes its parity servers, by server, in the order they were made.
 
     They are not sent on their own: each rides on the next message the worker sends that server anyway (a
-    stage), which applies it before anything else (docs/protocol.md, "Update path"). Thread-safe: the update
-    thread queues and takes; any thread may flush (a new map of a failure flushes at once)."""
+    stage), which applies it before anything else (docs/protocol.md, "Update path"). A plain data structure:
+    the driver that shares it between threads locks it (ecrec.updater.LockedDecisions)."""
 
     def __init__(self) -> None:
         self._by_server: dict[int, list] = {}
-        self._lock = threading.Lock()
 
     def add(self, decisions: Iterable[tuple[int, object]]) -> None:
         """Queue (parity server, decision) pairs."""
-        with self._lock:
-            for server, decision in decisions:
-                self._by_server.setdefault(server, []).append(decision)
+        for server, decision in decisions:
+            self._by_server.setdefault(server, []).append(decision)
 
     def take(self, server: int) -> list:
         """Everything queued for `server`, oldest first; the queue keeps none of it."""
-        with self._lock:
-            return self._by_server.pop(server, [])
+        return self._by_server.pop(server, [])
 
     def take_all(self) -> dict[int, list]:
-        with self._lock:
-            out, self._by_server = self._by_server, {}
-            return out
+        out, self._by_server = self._by_server, {}
+        return out
 
     def put_back(self, server: int, decisions: list) -> None:
         """Decisions taken but not delivered: ahead of anything queued since, so the order is kept."""
-        with self._lock:
-            self._by_server.setdefault(server, [])[:0] = decisions
+        self._by_server.setdefault(server, [])[:0] = decisions
 
     def __bool__(self) -> bool:
-        with self._lock:
-            return any(self._by_server.values())
+        return any(self._by_server.values())

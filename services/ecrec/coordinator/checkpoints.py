@@ -1,6 +1,12 @@
-"""The coordinator's adapter around `CheckpointCycle` (ecrec.core.checkpointing): it feeds the cycle what the
-coordinator learns and carries out its acts — `Checkpoint` and `Restore` calls to the servers, the manifest —
-on a thread of its own, one act at a time and never under the coordinator's lock (a checkpoint can take long).
+"""The checkpoint driver: the coordinator's adapter around `CheckpointCycle` (ecrec.core.checkpointing), for
+the checkpoint strategies. It feeds the cycle what the coordinator learns and carries out its acts —
+`Checkpoint` and `Restore` calls to the servers, the manifest — on a thread of its own, one act at a time and
+never under the coordinator's lock (a checkpoint can take long).
+
+It talks to the coordinator only through `CheckpointHost`: the servers' addresses, which shards are down, the
+job's events, a restore done, a rollback, the job's failure. Lock discipline: `lock` is the coordinator's; it
+guards the cycle and the driver's counters. The inputs (`feed`, `take_over`, `stats`) are called with it held;
+the acts' thread takes it around each call to the cycle or the host, never across an RPC or a file write.
 """
 
 from __future__ import annotations
@@ -9,28 +15,58 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
 from ecrec import auth
 from ecrec.core.checkpointing import Act, CheckpointCycle, Committed, cpr_interval
-from ecrec.core.cluster import ShardState
-
-if TYPE_CHECKING:
-    from ecrec.coordinator import Coordinator
+from ecrec.spec import Job
 
 log = logging.getLogger("ecrec.coordinator")
 RPC_TIMEOUT = 600.0  # a shard of a large model takes a while to write or read
 UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+class CheckpointHost(Protocol):
+    """What the checkpoint driver needs of the coordinator. `addresses` takes the lock itself; the others
+    are called with it held."""
+
+    clock: Callable[[], float]
+
+    def addresses(self, shards: tuple[int, ...]) -> dict[int, str]:
+        """shard -> the address of its registered process."""
+        ...
+
+    def shards_down(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shards failed or recovering, and of those the ones whose replacement registered."""
+        ...
+
+    def event(self, kind: str, at: float, **detail) -> None: ...
+
+    def restore_done(self, shards: tuple[int, ...], rows: dict[int, int], now: float) -> None:
+        """`shards` loaded the checkpoint (`rows` rows each): the replacements among them are up."""
+        ...
+
+    def rolled_back(self, resume: dict[int, tuple[int, int]]) -> None:
+        """Every rank goes back to (step, samples) of the restored checkpoint."""
+        ...
+
+    def fail(self, reason: str) -> None:
+        """The job cannot go on, for `reason` (unless it failed for another already)."""
+        ...
+
+
 class CheckpointDriver:
-    def __init__(self, coord: Coordinator):
+    def __init__(
+        self, host: CheckpointHost, job: Job, generation: int, token: str | None, lock: threading.RLock
+    ):
         from ecrec.ft.files import ManifestStore
 
-        self.coord = coord
-        spec = coord.spec
+        self.host, self.lock, self.token = host, lock, token
+        self.generation = generation
+        spec = job.spec
         ft = spec.fault_tolerance
         settings = getattr(ft, ft.strategy)
         steps = getattr(settings, "interval_steps", None)
@@ -50,9 +86,9 @@ class CheckpointDriver:
             if ft.strategy == "cpr" and settings.hot_rows != "none" and not steps
             else None,
         )
-        self.store = ManifestStore.for_job(coord.job)
+        self.store = ManifestStore.for_job(job)
         self.num_rows = sum(spec.model_config_resolved().table_sizes)
-        if coord.generation == 1:
+        if generation == 1:
             self.store.clear()  # this run starts from nothing; a successor starts from what is there (take_over)
         # One daemon thread runs the acts in order: a call to a hung server must never keep the coordinator
         # process from exiting (a ThreadPoolExecutor's threads are joined at exit).
@@ -77,7 +113,7 @@ class CheckpointDriver:
         """A successor coordinator: carry on from the newest committed checkpoint in the store, the shards'
         states as the cluster map was seeded, and the totals of the dead coordinator's last status
         (docs/protocol.md, "Checkpoint strategies")."""
-        c, store = self.coord, self.store
+        store = self.store
         last = last_hot = None
         ids = store.committed()
         if ids:
@@ -94,17 +130,10 @@ class CheckpointDriver:
         cycle.rollbacks = int(prior.get("rollbacks") or 0)
         cycle.steps_redone = int(prior.get("stepsRedone") or 0)
         cycle.pls = float(prior.get("portionOfLostSamples") or 0.0)
-        now = c.clock()
-        down = [s for s in c.cluster.shards if s.state in (ShardState.FAILED, ShardState.RECOVERING)]
-        acts = cycle.taken_over(
-            last,
-            last_hot,
-            c.generation,
-            now,
-            failed=tuple(s.shard for s in down),
-            registered=tuple(s.shard for s in down if s.state is ShardState.RECOVERING),
-        )
-        c.progress.event(
+        now = self.host.clock()
+        failed, registered = self.host.shards_down()
+        acts = cycle.taken_over(last, last_hot, self.generation, now, failed=failed, registered=registered)
+        self.host.event(
             "checkpoints_taken_over",
             now,
             checkpoint=last_hot or (last.checkpoint if last else 0),
@@ -147,9 +176,8 @@ class CheckpointDriver:
     def _stubs(self, shards: tuple[int, ...]):
         from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 
-        with self.coord.lock:
-            addresses = {s: self.coord.cluster.shards[s].address for s in shards}
-        channels = {s: auth.channel(a, self.coord.token) for s, a in addresses.items()}
+        addresses = self.host.addresses(shards)
+        channels = {s: auth.channel(a, self.token) for s, a in addresses.items()}
         return channels, {s: pb_grpc.ParameterServerStub(ch) for s, ch in channels.items()}
 
     def _call_all(self, shards: tuple[int, ...], method: str, request) -> dict[int, object]:
@@ -180,9 +208,9 @@ class CheckpointDriver:
         answers = self._call_all(act.shards, "Checkpoint", req)
         if self.cycle.decoupled:  # the servers have copied their state: training resumes, the write goes on
             ok = self._ok(act, answers, "copy")
-            with self.coord.lock:
+            with self.lock:
                 self._event("checkpoint_snapshot", act, ok, t0)
-                self.feed(self.cycle.snapshotted(act.checkpoint, ok, self.coord.clock()))
+                self.feed(self.cycle.snapshotted(act.checkpoint, ok, self.host.clock()))
                 self._pause_ended()
             if not ok:
                 return
@@ -195,10 +223,10 @@ class CheckpointDriver:
             if not isinstance(r, grpc.RpcError)
         ]
         rows = sum(f["rows"] for f in self._written[act.checkpoint])
-        with self.coord.lock:
+        with self.lock:
             self._event("checkpoint_written", act, ok, t0)
             fraction = rows / max(1, self.num_rows)
-            self.feed(self.cycle.written(act.checkpoint, ok, self.coord.clock(), fraction=fraction))
+            self.feed(self.cycle.written(act.checkpoint, ok, self.host.clock(), fraction=fraction))
             if not ok and not act.hot:
                 self._pause_ended()
 
@@ -213,7 +241,7 @@ class CheckpointDriver:
 
     def _event(self, kind: str, act: Act, ok: bool, t0: float) -> None:
         seconds = round(time.monotonic() - t0, 3)
-        self.coord.progress.event(kind, self.coord.clock(), checkpoint=act.checkpoint, ok=ok, seconds=seconds)
+        self.host.event(kind, self.host.clock(), checkpoint=act.checkpoint, ok=ok, seconds=seconds)
 
     def _commit(self, act: Act) -> None:
         from ecrec.ft.files import CheckpointError
@@ -224,19 +252,19 @@ class CheckpointDriver:
             self.store.commit(act.checkpoint, progress, files, final=act.final, base=act.base, hot=act.hot)
         except (CheckpointError, OSError) as e:
             log.error("checkpoint %d: the manifest was not written: %s", act.checkpoint, e)
-            with self.coord.lock:
-                self.coord.progress.event("checkpoint_failed", self.coord.clock(), checkpoint=act.checkpoint)
+            with self.lock:
+                self.host.event("checkpoint_failed", self.host.clock(), checkpoint=act.checkpoint)
                 self.feed(self.cycle.commit_failed(act.checkpoint))
             return
-        with self.coord.lock:
+        with self.lock:
             # checknrun: the pause ended with the copy; cpr's hot-row saves do not pause at all
             seconds = None if act.hot else self._pause_ended() or self.last_pause_seconds
             kind = "hot" if act.hot else "full" if act.base is None else "increment"
             self.committed[kind] += 1
             self.bytes_written += sum(f["bytes"] for f in files)
-            self.coord.progress.event(
+            self.host.event(
                 "checkpoint_committed",
-                self.coord.clock(),
+                self.host.clock(),
                 checkpoint=act.checkpoint,
                 final=act.final,
                 pause_seconds=seconds,
@@ -257,11 +285,11 @@ class CheckpointDriver:
     def _restore(self, act: Act) -> None:
         from ecrec.proto import ecrec_pb2 as pb
 
-        c = self.coord
+        host = self.host
         answers = self._call_all(act.shards, "Restore", pb.RestoreRequest(checkpoint=act.checkpoint or 0))
         bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
-        with c.lock:
-            now = c.clock()
+        with self.lock:
+            now = host.clock()
             if bad and all(e.code() in UNREACHABLE for e in bad.values()):
                 # A server died meanwhile: its failure, once detected, starts another rollback (or, for cpr,
                 # another restore once its replacement registers). Nothing to fail here.
@@ -269,18 +297,12 @@ class CheckpointDriver:
                 return
             if bad:
                 why = "; ".join(f"server {s}: {e.details()}" for s, e in sorted(bad.items()))
-                c.failed_reason = (
-                    c.failed_reason or f"restoring checkpoint {act.checkpoint or 'initial'}: {why}"
-                )
+                host.fail(f"restoring checkpoint {act.checkpoint or 'initial'}: {why}")
                 self.feed(self.cycle.restored(act.shards, False, now))
                 return
             rows = {s: int(r.rows) for s, r in answers.items()}
-            c.progress.event(
-                "checkpoint_restored", now, checkpoint=act.checkpoint or 0, shards=list(act.shards)
-            )
-            for s in act.shards:
-                if c.cluster.shards[s].state is ShardState.RECOVERING:
-                    c.complete_restore(s, rows[s], now)
+            host.event("checkpoint_restored", now, checkpoint=act.checkpoint or 0, shards=list(act.shards))
+            host.restore_done(act.shards, rows, now)
             self.feed(self.cycle.restored(act.shards, True, now))
             if self.cycle.resume is not None and self.cycle.rolls_back:
-                c.rolled_back(self.cycle.resume)
+                host.rolled_back(self.cycle.resume)

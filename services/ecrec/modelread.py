@@ -1,0 +1,148 @@
+"""Reads of the whole model on the parameter servers, over a `PSClient`: every record page by page, the
+logical model's hash (`params_sha256`), the dense replicas compared, the 2PC state left staged, and the
+parity check (invariant I1).
+
+Used by the launchers' final checks (`ecrec local`, the operator), `ecrec parity-check`, benchmarks and
+tests; workers never call these. They read committed state through the same calls and cluster map as the
+data path (ecrec.client), one server at a time, and change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+from ecrec.client import PSClient
+from ecrec.core.codes import make_code
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.wire import ids_to_bytes
+
+READ_PAGE_ROWS = 1 << 18
+
+
+def read_records(client: PSClient, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
+    """Every record of one kind on one server (DATA, PARITY, or DENSE chunk `chunk`), page by page."""
+    pages, start, width = [], 0, client.ctx.record_width
+    while True:
+        req = pb.ReadRecordsRequest(
+            epoch=client.epoch, kind=kind, start=start, count=READ_PAGE_ROWS, chunk=chunk
+        )
+        resp = client.result(shard, "ReadRecords", client.call(shard, "ReadRecords", req))
+        width = resp.width or width
+        if resp.count:
+            pages.append(
+                torch.frombuffer(resp.records, dtype=torch.float32).view(resp.count, resp.width).clone()
+            )
+        start += resp.count
+        if resp.count < READ_PAGE_ROWS:
+            break
+    return torch.cat(pages) if pages else torch.empty(0, width)
+
+
+def all_row_records(client: PSClient) -> torch.Tensor:
+    """Every embedding row record in global row order: [G, W]."""
+    ctx, p = client.ctx, client.ctx.placement
+    n = ctx.num_servers
+    per = -(-p.num_rows // n)
+    full = torch.zeros(per * n, ctx.record_width, dtype=torch.float32)
+    grid = full.view(per, n, ctx.record_width)
+    for s in range(n):
+        recs = read_records(client, s, pb.DATA)
+        grid[: recs.shape[0], s] = recs
+    return full[: p.num_rows]
+
+
+def all_dense_records(client: PSClient) -> torch.Tensor:
+    """Dense-parameter records (param + optimizer state per scalar) in parameter order: [D, Wd]."""
+    ctx = client.ctx
+    return torch.cat(
+        [read_records(client, client.dense_targets(c)[0], pb.DENSE, c) for c in range(ctx.num_servers)]
+    )
+
+
+def params_sha256(client: PSClient) -> str:
+    """Hash of the whole logical model, independent of the number of servers and of placement."""
+    h = hashlib.sha256()
+    for t in (all_row_records(client), all_dense_records(client)):
+        h.update(t.contiguous().numpy().data)
+    return h.hexdigest()
+
+
+def dense_replica_mismatches(client: PSClient) -> int:
+    """Dense chunks whose two replicas differ (0 in deterministic mode, where updates are ordered)."""
+    bad = 0
+    for c in range(client.ctx.num_servers):
+        holders = client.dense_targets(c)
+        if len(holders) == 2:
+            a, b = (read_records(client, h, pb.DENSE, c) for h in holders)
+            bad += int(not torch.equal(a.view(torch.int32), b.view(torch.int32)))
+    return bad
+
+
+def staged_counts(client: PSClient) -> list[int]:
+    """Undecided 2PC state per server (0 everywhere once the job is quiet)."""
+    return [
+        int(client.stubs[s].Info(pb.InfoRequest(), timeout=client.timeout).staged)
+        for s in range(client.ctx.num_servers)
+    ]
+
+
+def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """All records of one kind on a server with their versions (DATA: [n]; PARITY: pver [n, k])."""
+    recs, vers = [], []
+    for lo in range(0, n, READ_PAGE_ROWS):
+        index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
+        req = pb.ReadRowsRequest(epoch=client.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
+        resp = client.result(server, "ReadRows", client.call(server, "ReadRows", req))
+        recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1).clone())
+        vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1).clone())
+    if not recs:
+        return torch.empty(0, client.ctx.record_width), torch.empty(0, 1, dtype=torch.int64)
+    return torch.cat(recs), torch.cat(vers)
+
+
+def parity_check(client: PSClient, rounds: int = 5) -> dict:
+    """Invariant I1: every parity record equals the encoding of its stripe's members, entries and optimizer
+    state (bit-exact for xor). Works on a running job: a stripe whose member versions differ from those its
+    parity reflects has a commit in flight and is checked again in the next round."""
+    ctx, p = client.ctx, client.ctx.placement
+    if any(client.failed(s) or client.states.get(s) == "recovering" for s in range(ctx.num_servers)):
+        raise RuntimeError("parity check needs every server up (a shard is failed or recovering)")
+    code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+    pending = {s: None for s in range(ctx.num_servers)}  # parity server -> indices still to check
+    stripes = mismatches = 0
+    for _round in range(rounds):
+        data = [read_versions(client, s, pb.DATA, p.rows_on(s)) for s in range(ctx.num_servers)]
+        for server in list(pending):
+            parity, pver = read_versions(client, server, pb.PARITY, p.parity_rows_on(server))
+            index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
+            shards, locs, present = p.stripe_members(server, index)
+            members = torch.zeros(p.k, index.numel(), ctx.record_width)
+            mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
+            for s in shards.unique().tolist():
+                sel = present & (shards == s)
+                ri, sj = sel.nonzero(as_tuple=True)
+                members[sj, ri] = data[s][0][locs[ri, sj]]
+                mvers[ri, sj] = data[s][1][locs[ri, sj]].view(-1)
+            settled = (mvers == pver[index]).all(dim=1)
+            expected = code.encode(members)
+            got = parity[index]
+            if code.name == "xor":
+                ok = (expected.view(torch.int32) == got.view(torch.int32)).all(dim=1)
+            else:
+                ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)
+            stripes += int(settled.sum())
+            mismatches += int((settled & ~ok).sum())
+            if bool(settled.all()):
+                del pending[server]
+            else:
+                pending[server] = index[~settled]
+        if not pending:
+            break
+        time.sleep(0.05)
+    in_flight = sum(v.numel() for v in pending.values() if v is not None)
+    client.metrics.of(client.metrics.parity_checks, result="ok").inc(stripes - mismatches)
+    client.metrics.of(client.metrics.parity_checks, result="mismatch").inc(mismatches)
+    return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}

@@ -1,0 +1,251 @@
+"""Decoding a failed shard's rows from their stripes (degraded reads, the acting home's writes, rebuilds)
+and the recovery of a replacement (docs/protocol.md, "Degraded mode" and "Recovery"): data rows lock group
+by lock group, parity records re-encoded, dense chunks copied from the surviving replica; and the reads
+other servers make here for theirs (`read_rows`, `serve_dense_copy`).
+
+Lock discipline: public methods take `lock` themselves and must be called without it. Decoding
+(`decode_rows`, `_read_many`) calls peers, so it runs without the lock; the state it needs is claimed first
+under the lock and installed after: a lock group's rows are locked in `rows.locks` under the REBUILD_TXN
+holder, parity indices marked in `parity_rebuilding`, dense chunks in `dense_copying_in` (a second Recover
+step waits for the first, then finds the work done); each is released and `cond` notified in a `finally`.
+`read_rows` waits under the lock for staged rows (a re-encode) or a shard's undecided deltas (a rebuild);
+`serve_dense_copy` waits for the chunk's dense stages in flight. `_undecided_from` needs `lock` held.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
+from ecrec.core.vec import in_range
+from ecrec.faults import fault_point
+from ecrec.store.peers import PeerFailed
+from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
+from ecrec.wire import InvalidRequest
+
+CONSISTENT_READ_TRIES = 200
+
+
+class Recovery(StoreState):
+    """Degraded reads, the acting home's decodes, and the rebuild of a replacement."""
+
+    def read_rows(self, kind: str, index: torch.Tensor, src: int = -1) -> ReadResult:
+        """Records with versions. PARITY reads for rebuilding shard `src` wait for its undecided deltas; DATA
+        reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged."""
+        if kind == "data":
+            if not in_range(index, self.num_rows):
+                raise InvalidRequest("index: local rows out of range")
+            with self.lock:
+                if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
+                    self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
+                if not bool(self.row_ready[index].all()):
+                    raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
+                return ReadResult(self.rows.records[index].clone(), self.rows.versions[index].clone())
+        n_par = self.parity.parity.shape[0]
+        if not in_range(index, n_par):
+            raise InvalidRequest("index: parity indices out of range")
+        with self.lock:
+            if src >= 0:
+                self._wait(lambda: not self._undecided_from(src, index), f"deltas of shard {src}")
+            return ReadResult(
+                self.parity.parity[index].clone(),
+                self.parity.pver[index].clone(),
+                self.parity.ready[index].clone(),
+            )
+
+    def _undecided_from(self, src: int, index: torch.Tensor) -> bool:
+        """Any update of shard `src`'s rows in flight on these parity indices? (A staged delta of src, or a
+        degraded write this server is running for src, possibly still decoding.)"""
+        for _txn, idx, _slot in self.parity.staged_members(src) + self.parity.held_members(src):
+            if bool(torch.isin(idx, index).any()):
+                return True
+        if self.acting.writing(src):
+            shards, locs, present = self.placement.stripe_members(self.shard, index)
+            rows = locs[(shards == src) & present]
+            if rows.numel() and self.acting.busy(src, rows):
+                return True
+        return False
+
+    # ---------------------------------------------------------------------------------------------------
+    # decoding (degraded reads, acting-home writes, recovery)
+    def decode_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Records and versions of shard src's rows, decoded from their stripes (consistent cut). The
+        parity records and the other members are read in one round (ecrec.core.stripes); stripes a commit
+        was crossing are read again."""
+        out = torch.empty(local.numel(), self.ctx.record_width)
+        vers = torch.empty(local.numel(), dtype=torch.int64)
+        todo = torch.arange(local.numel())
+        # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
+        # degraded read or write at the acting home reads committed state (and holds the row lock itself).
+        plan = StripeDecode(self.placement, src, local, wait_src=src if src == self.shard else -1)
+        for _attempt in range(CONSISTENT_READ_TRIES):
+            try:
+                decoded, versions, consistent = plan.decode(
+                    self.code, self.ctx.record_width, self._read_many(plan.reads)
+                )
+            except SecondFailure as e:
+                raise PeerFailed(-1, str(e)) from e
+            if not self.code.exact:  # rounding may leave state outside its domain (docs/protocol.md)
+                decoded = self.opt.project(decoded, self.dim)
+            out[todo[consistent]] = decoded[consistent]
+            vers[todo[consistent]] = versions[consistent]
+            todo = todo[~consistent]
+            if todo.numel() == 0:
+                if self.tap is not None:
+                    self.tap.decoded(src, local, vers, out)
+                return out, vers
+            plan = plan.rest(consistent)
+            time.sleep(0.002)  # a commit is between a member and its parity server: read again
+        raise Busy(f"could not read a consistent cut of {todo.numel()} stripes")
+
+    def _read_many(self, reads: list[Read]) -> list[ReadResult]:
+        """Reads from peers, all at once; reads addressed to this server are served locally."""
+        out: list[ReadResult | None] = [None] * len(reads)
+        remote = [(i, r) for i, r in enumerate(reads) if r.server != self.shard]
+        for i, r in enumerate(reads):
+            if r.server == self.shard:
+                out[i] = self.read_rows(r.kind, r.index, r.src)
+        if remote:
+            requests = [(r.server, r.kind, r.index, r.src) for _i, r in remote]
+            for (i, _r), res in zip(remote, self.peers.read_rows(requests, self.epoch), strict=True):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def degraded_pull(self, src: int, g: torch.Tensor) -> torch.Tensor:
+        local = self.local_rows(g, src)
+        self._check_acting(src, local)
+        recs, _v = self.lost_rows(src, local)
+        self.stats["degraded_rows"] += local.numel()
+        return recs[:, : self.dim]
+
+    def lost_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed records and versions of failed shard src's rows: materialized ones from the acting
+        home's cache, the rest decoded (and materialized)."""
+
+        def reflected() -> torch.Tensor:  # the versions the parity records reflect for these rows
+            _, pindex = self.placement.parity_of(src, local)
+            return self.parity.pver[pindex, self.placement.stripe_of(src, local)[1]]
+
+        if local.numel() == 0:
+            return torch.empty(0, self.ctx.record_width), torch.empty(0, dtype=torch.int64)
+        with self.lock:
+            seen = self.acting.lookup(src, local, reflected)
+            if seen.cache is not None and bool(seen.hit.all()):
+                return seen.cache.records[local].clone(), seen.cache.versions[local].clone()
+        miss = (~seen.hit).nonzero().squeeze(1)
+        recs = torch.empty(local.numel(), self.ctx.record_width)
+        vers = torch.empty(local.numel(), dtype=torch.int64)
+        recs[miss], vers[miss] = self.decode_rows(src, local[miss])
+        with self.lock:
+            self.acting.materialize(src, local, seen, recs, vers)
+        return recs, vers
+
+    def _check_acting(self, src: int, local: torch.Tensor) -> None:
+        if src == self.shard or not self.peers.is_failed(src):
+            with self.lock:
+                self.acting.forget(src)
+            raise NotOwner(f"shard {src} is not failed in this server's cluster map (epoch {self.epoch})")
+        pserver, _ = self.placement.parity_of(src, local)
+        if bool((pserver != self.shard).any()):
+            raise InvalidRequest(
+                f"ids: this server is not the parity server of all these rows of shard {src}"
+            )
+        key = getattr(self.peers, "failure_key", None)
+        key = key(src) if key is not None else None
+        with self.lock:
+            self.acting.begin(src, key)
+
+    # ---------------------------------------------------------------------------------------------------
+    # recovery of a replacement
+    def ensure_rows(self, local: torch.Tensor) -> None:
+        """Rebuild on demand any of these rows that recovery has not reached yet."""
+        if not self.replacement or bool(self.row_ready[local].all()):
+            return
+        self.rebuild_rows(local)
+
+    def rebuild_rows(self, local: torch.Tensor) -> int:
+        """Rebuild one lock group: lock, gather + decode, install, unlock (queued requests then run)."""
+        group = f"{REBUILD_TXN}{id(local)}:{time.monotonic_ns()}"
+        with self.lock:
+            # Only rows not rebuilt yet: they can be locked by another group, never staged (a stage rebuilds
+            # its rows first). Rows already rebuilt may be staged by a worker's part, and a pull that also
+            # needs some rows rebuilt must not wait for that part's commit.
+            self._wait(lambda: not self.rows.locks.busy(local[~self.row_ready[local]]), "rows being rebuilt")
+            todo = local[~self.row_ready[local]]
+            if todo.numel() == 0:
+                return 0
+            self.rows.locks.lock(group, todo)
+        try:
+            recs, vers = self.decode_rows(self.shard, todo)
+            fault_point("recover:mid_group")
+            with self.lock:
+                self.rows.records[todo] = recs
+                self.rows.versions[todo] = vers
+                self.row_ready[todo] = True
+                self.stats["rows_recovered"] += todo.numel()
+        finally:
+            with self.lock:
+                self.rows.locks.unlock(group)
+                self.cond.notify_all()
+        fault_point("recover:after_group")
+        return todo.numel()
+
+    def rebuild_parity(self, index: torch.Tensor) -> int:
+        """Re-encode parity records from their members' current records (versions make the cut exact)."""
+        with self.lock:
+            self._wait(lambda: not bool(self.parity_rebuilding[index].any()), "parity records being rebuilt")
+            index = index[~self.parity.ready[index]]
+            if index.numel() == 0:
+                return 0
+            self.parity_rebuilding[index] = True
+        try:
+            plan = StripeEncode(
+                self.placement, self.shard, index
+            )  # its reads wait for staged rows: read_rows
+            records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
+            with self.lock:
+                self.parity.install(index, records, vers)
+        finally:
+            with self.lock:
+                self.parity_rebuilding[index] = False
+                self.cond.notify_all()
+        return index.numel()
+
+    def copy_dense(self) -> int:
+        """Copy the replicated chunks from the surviving replica; skip txns the copy already contains."""
+        n = 0
+        for c in list(self.dense.records):
+            with self.lock:
+                self._wait(lambda c=c: c not in self.dense_copying_in, f"dense chunk {c} being copied")
+                if self.dense.ready[c]:
+                    continue
+                self.dense_copying_in.add(c)
+            try:
+                other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
+                recs, txns = self.peers.dense_copy(other, c, self.epoch)
+                with self.lock:
+                    self.dense.install(c, recs, txns)
+            finally:
+                with self.lock:
+                    self.dense_copying_in.discard(c)
+                    self.cond.notify_all()
+            n += recs.shape[0]
+        return n
+
+    def serve_dense_copy(self, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
+        """The surviving replica's side of copy_dense: from now on reject dense stages older than `epoch`."""
+        self._chunk(chunk)
+        with self.lock:
+            # New stages of the chunk wait from here, so the ones in flight can drain.
+            self.dense.begin_copy(chunk, epoch)
+            try:
+                self._wait(lambda: not self.dense.in_flight(chunk), "dense txns in flight")
+                return self.dense.copy_out(chunk)
+            finally:
+                self.dense.end_copy(chunk)
+                self.cond.notify_all()
+
+    def recovery_done(self) -> bool:
+        return bool(self.row_ready.all()) and bool(self.parity.ready.all()) and self.dense.all_ready()

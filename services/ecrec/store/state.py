@@ -1,0 +1,256 @@
+"""A parameter server's state, its one lock, and how a request waits for busy state: the base of every part
+of `ShardStore` (ecrec.store).
+
+`StoreState` builds the server's tensors at start-up — its data row records and their versions
+(core/txn.py `DataParticipant`), the parity records it keeps for other servers' stripes
+(`ParityParticipant`), its dense chunks (core/dense.py `DenseReplicas`), the acting home of failed shards'
+rows (core/acting.py `ActingHome`), the checkpoint trackers (core/snapshots.py) — from the seed, or empty for
+a replacement. The parts (records, participant, deltas, recovery, checkpoints) are mixins over this one state:
+the protocol's steps cross roles under one lock (a stage touches rows, dense chunks, the acting home and the
+outcomes at once), so the state is not split, only the steps.
+
+Lock discipline (every part follows it):
+- `lock`, one mutex, guards all mutable state: `rows`, `row_ready`, `parity`, `parity_rebuilding`,
+  `acting`, `dense`, `dense_copying_in`, `outcomes`, `stats`, `fence`, `waiting`, `snapshots`, `replacement`.
+  It is not reentrant: public methods take it themselves and must not be called with it held.
+- `cond` is a condition on `lock`. Whoever changes state a waiter may be waiting for (rows unlocked, a part
+  decided, parity or a chunk installed) calls `cond.notify_all()` before releasing the lock.
+- `_wait(ready, ...)` is called with `lock` held, releases it while it sleeps and returns with it held; at
+  most MAX_WAITING requests wait at once, and a wait ends with the caller's deadline (`CALLER`).
+- Peers are never called with `lock` held; neither is decoding (it calls peers). Tensors handed out are
+  copied (`clone`/`index_select`) before the lock is released.
+- `epoch` is written by the adapter (ParameterServicer) without the lock: one int, read as a whole.
+- `local_rows`, `_check_grads` and `_chunk` only read geometry: no lock. `_remember` needs `lock` held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from ecrec.core.acting import ActingHome
+from ecrec.core.codes import make_code
+from ecrec.core.dense import DenseReplicas
+from ecrec.core.snapshots import ShardSnapshots
+from ecrec.core.txn import DataParticipant, ParityParticipant
+from ecrec.core.update import WorkerFence
+from ecrec.core.vec import all_unique, in_range
+from ecrec.jobctx import JobContext
+from ecrec.model import init_dense, init_embedding_rows
+from ecrec.rebuild_tap import Tap
+from ecrec.store.peers import NoPeers, Peers
+from ecrec.wire import InvalidRequest, check_finite
+
+INIT_BLOCK_ROWS = 1 << 18  # initialize tables in blocks to bound the temporaries of the hash init
+REBUILD_TXN = "recovery:"  # the holder name of a recovery lock group's rows (Recovery.rebuild_rows)
+# Requests allowed to wait at once (for busy rows, undecided deltas, a dense copy). Past that a request that
+# would wait answers Busy at once, so that waiting requests, however many arrive, hold a bounded share of the
+# server's threads and the rest keep answering.
+MAX_WAITING = 16
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The request being served on this thread: how long its caller still waits, and whether it still does
+    (set by the gRPC adapter). A wait for busy state never outlives its caller."""
+
+    deadline: float | None  # time.monotonic() by which the caller gives up; None = no deadline
+    active: Callable[[], bool] = lambda: True
+
+
+CALLER: ContextVar[Caller | None] = ContextVar("ecrec_caller", default=None)
+
+
+class Cancelled(Exception):
+    """The caller gave up (deadline passed or cancelled) while the request waited."""
+
+
+class Busy(Exception):
+    """Rows stayed busy past the wait limit (the worker retries the part)."""
+
+
+class NotOwner(Exception):
+    """The request was routed with an outdated cluster map (the worker refreshes it and retries)."""
+
+
+class StoreState:
+    """One server's tables and protocol state, built at start-up; the parts of ShardStore add the steps."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        shard: int,
+        peers: Peers | None = None,
+        *,
+        replacement: bool = False,
+        txn_timeout: float = 5.0,
+        wait_timeout: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.ctx, self.shard, self.peers = ctx, shard, peers or NoPeers()
+        self.clock, self.txn_timeout, self.wait_timeout = clock, txn_timeout, wait_timeout
+        p = self.placement = ctx.placement
+        self.num_rows = p.rows_on(shard)
+        self.dim = ctx.dim
+        self.opt = ctx.optimizer
+        self.epoch = 0
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+        seed = ctx.spec.training.seed
+        self.replacement = replacement
+        # -- data rows ----------------------------------------------------------------------------------
+        if replacement:
+            data = torch.zeros(self.num_rows, ctx.record_width)
+        else:
+            data = self._init_records(p.global_id(shard, torch.arange(self.num_rows)), seed)
+        self.rows = DataParticipant(
+            shard, p, self.code, self.opt, data, torch.zeros(self.num_rows, dtype=torch.int64)
+        )
+        self.tap = Tap.from_env(shard, self.rows)  # None unless `ecrec local --rebuild-error` asked for it
+        self.row_ready = torch.full((self.num_rows,), not replacement, dtype=torch.bool)
+        # checkpoint strategies: checknrun's rows updated since each baseline, cpr's hot rows
+        cpr = ctx.spec.fault_tolerance.cpr
+        self.snapshots = ShardSnapshots(
+            shard,
+            self.num_rows,
+            hot_rows=cpr.hot_rows if ctx.spec.fault_tolerance.strategy == "cpr" else "none",
+            hot_fraction=cpr.hot_row_fraction,
+            ssu_period=cpr.ssu_period,
+        )
+        # -- parity records -----------------------------------------------------------------------------
+        n_par = p.parity_rows_on(shard) if p.r else 0
+        parity = torch.zeros(n_par, ctx.record_width)
+        if n_par and not replacement:
+            parity = self._encode_initial_parity(n_par, seed)
+        self.parity = ParityParticipant(
+            shard,
+            p,
+            self.code,
+            parity,
+            torch.zeros(n_par, max(p.k, 1), dtype=torch.int64),
+            ready=torch.full((n_par,), not replacement, dtype=torch.bool),
+        )
+        # -- degraded writes of failed shards' rows, for which this server is the acting home -----------
+        self.acting = ActingHome(p.rows_on, ctx.record_width)
+        # -- dense chunks -------------------------------------------------------------------------------
+        flat = init_dense(*_model_args(ctx), seed=seed)
+        records, ready = {}, {}
+        for c in ctx.dense_chunks_of(shard):
+            lo, hi = ctx.dense_bounds[c]
+            records[c] = self.opt.init_records(flat[lo:hi].reshape(-1, 1).clone())
+            # A lone replica has nothing to copy from: ready at once, unless a checkpoint restores it.
+            ready[c] = not replacement or (len(ctx.dense_holders(c)) == 1 and not ctx.checkpointing)
+        self.dense = DenseReplicas(self.opt, records, ready)
+        # A replacement's parity records and dense chunks being rebuilt now. A Recover step can run twice at
+        # once (a coordinator died with it in flight and its successor sent it again): the second waits for
+        # the first and then finds it done. Installing a second, older cut after updates had been applied
+        # on top of the first would silently drop them.
+        self.parity_rebuilding = torch.zeros(n_par, dtype=torch.bool)
+        self.dense_copying_in: set[int] = set()
+        self.outcomes: OrderedDict[str, str] = OrderedDict()
+        self.stats = {
+            "degraded_rows": 0,
+            "buffered": 0,
+            "rows_recovered": 0,
+            "expired_worker_gone": 0,
+            "expired_timeout": 0,
+        }
+        # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
+        self.fence = WorkerFence()
+        self.waiting = 0  # requests in _wait now (bounded by MAX_WAITING)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """This shard's data row records [rows, record width]."""
+        return self.rows.records
+
+    # ---------------------------------------------------------------------------------------------------
+    # initialization
+    def _init_records(self, g: torch.Tensor, seed: int) -> torch.Tensor:
+        out = torch.empty(g.numel(), self.ctx.record_width, dtype=torch.float32)
+        for lo in range(0, g.numel(), INIT_BLOCK_ROWS):
+            hi = min(g.numel(), lo + INIT_BLOCK_ROWS)
+            out[lo:hi] = self.opt.init_records(init_embedding_rows(g[lo:hi], self.dim, seed))
+        return out
+
+    def _encode_initial_parity(self, n_par: int, seed: int) -> torch.Tensor:
+        """Parity of the initial records, computed locally: initial rows are a pure function of global id."""
+        p, out = self.placement, torch.empty(n_par, self.ctx.record_width)
+        for lo in range(0, n_par, INIT_BLOCK_ROWS):
+            index = torch.arange(lo, min(n_par, lo + INIT_BLOCK_ROWS))
+            shards, locals_, present = p.stripe_members(self.shard, index)
+            g = p.global_id(shards.reshape(-1), locals_.reshape(-1))
+            recs = torch.zeros(g.numel(), self.ctx.record_width)
+            mask = present.reshape(-1)
+            recs[mask] = self._init_records(g[mask], seed)
+            out[lo : lo + index.numel()] = self.code.encode(recs.view(index.numel(), p.k, -1).transpose(0, 1))
+        return out
+
+    # ---------------------------------------------------------------------------------------------------
+    # validation and waiting
+    def local_rows(self, g: torch.Tensor, src: int | None = None) -> torch.Tensor:
+        p, src = self.placement, self.shard if src is None else src
+        if g.numel() == 0:
+            return g
+        if not in_range(g, p.num_rows):
+            raise InvalidRequest(f"ids: global row ids must be in [0, {p.num_rows})")
+        if bool((p.data_shard(g) != src).any()):
+            raise InvalidRequest(f"ids: some rows are not owned by shard {src}")
+        local = p.local_row(g)
+        if not all_unique(local):
+            raise InvalidRequest("ids: row ids in one request must be unique (sum duplicate gradients first)")
+        return local
+
+    def _check_grads(self, grads: torch.Tensor, n: int) -> None:
+        if grads.shape != (n, self.dim):
+            raise InvalidRequest(f"grads: expected shape ({n}, {self.dim}), got {tuple(grads.shape)}")
+        check_finite(grads, "grads")
+
+    def _wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Wait (holding self.lock on return) until ready(); Busy after `timeout` (default wait_timeout).
+
+        Bounded harm: the wait ends when the caller stops waiting for the answer (its deadline, a
+        cancellation), and at most MAX_WAITING requests wait at once."""
+        if ready():
+            return
+        if self.waiting >= MAX_WAITING:
+            raise Busy(f"{what}: {self.waiting} requests are waiting already")
+        timeout = self.wait_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        caller = CALLER.get()
+        if caller is not None and caller.deadline is not None:
+            deadline = min(deadline, caller.deadline)
+        self.waiting += 1
+        try:
+            while not ready():
+                if caller is not None and not caller.active():
+                    raise Cancelled(f"{what}: the caller stopped waiting")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Busy(f"{what}: still busy after {timeout:.2f}s")
+                self.cond.wait(timeout=min(left, 0.1))
+        finally:
+            self.waiting -= 1
+        self.stats["buffered"] += 1
+
+    def _chunk(self, chunk: int) -> torch.Tensor:
+        if chunk not in self.dense:
+            raise InvalidRequest(f"chunk: dense chunk {chunk} is not held by shard {self.shard}")
+        return self.dense.records[chunk]
+
+    def _remember(self, txn: str, outcome: str) -> None:
+        self.outcomes[txn] = outcome
+        while len(self.outcomes) > 65536:
+            self.outcomes.popitem(last=False)
+
+
+def _model_args(ctx: JobContext) -> tuple:
+    m = ctx.model
+    return (m.num_dense, m.num_tables, m.dim, list(m.bottom_mlp), list(m.top_mlp))

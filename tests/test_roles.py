@@ -1,0 +1,46 @@
+"""One argv builder for every role (ecrec.roles.role_argv): what `ecrec local` forks and the operator's pods run."""
+
+from __future__ import annotations
+
+import pytest
+
+from ecrec.core.roles import PROCESS_ROLES
+from ecrec.roles import role_argv
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_each_role_runs_its_module_with_the_job_and_its_index():
+    server = role_argv("server", 3, job="j.json", coordinator="http://c", instance="i", bind="h:1")
+    assert (
+        server[:2] == ["ecrec", "server"]
+        and flag(server, "--shard") == "3"
+        and flag(server, "--bind") == "h:1"
+    )
+    assert flag(server, "--job") == "j.json" and flag(server, "--coordinator") == "http://c"
+    assert flag(server, "--instance") == "i" and "--replacement" not in server
+    worker = role_argv("worker", 1, job="j", coordinator="c", incarnation=3, replacement=True)
+    assert worker[:2] == ["ecrec", "worker"] and flag(worker, "--rank") == "1"
+    assert flag(worker, "--incarnation") == "3" and "--replacement" in worker and "--bind" not in worker
+    spare = role_argv("spare", 0, job="j", coordinator="c", replacement=True)
+    # a spare is a server process without a shard: never a replacement until it takes one over
+    assert spare[:2] == ["ecrec", "server"] and flag(spare, "--spare") == "0"
+    assert "--shard" not in spare and "--replacement" not in spare
+
+
+def test_the_coordinator_listens_where_it_is_told_and_a_successor_resumes():
+    first = role_argv("coordinator", job="env:J", host="10.0.0.1", port=8080, metrics_port=9090)
+    assert first[:2] == ["ecrec", "coordinator"] and flag(first, "--host") == "10.0.0.1"
+    assert flag(first, "--port") == "8080" and flag(first, "--metrics-port") == "9090"
+    assert "--coordinator" not in first and "--generation" not in first and "--instance" not in first
+    successor = role_argv("coordinator", job="j", port=1, resume=(2, "env:R"))
+    assert flag(successor, "--generation") == "2" and flag(successor, "--resume") == "env:R"
+
+
+def test_every_process_role_has_an_argv_and_nothing_else_does():
+    for role in PROCESS_ROLES:
+        assert role_argv(role, job="j", coordinator="c")[0] == "ecrec"
+    with pytest.raises(ValueError, match="not one of"):
+        role_argv("scheduler", job="j")
