@@ -96,6 +96,17 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
+def values_of(combination: str) -> dict:
+    """The chart's values with a documented combination over them."""
+    given = yaml.safe_load((CHART / "ci" / combination).read_text()) or {}
+    return merge(yaml.safe_load((CHART / "values.yaml").read_text()), given)
+
+
+def wants_monitors(combination: str) -> bool:
+    m = values_of(combination)["monitoring"]
+    return m["enabled"] and (m["serviceMonitor"]["enabled"] or m["podMonitor"]["enabled"])
+
+
 def k8s_job(*overrides: str):
     return load_job(str(REPO / "examples/k8s-small.yaml"), overrides)
 
@@ -133,7 +144,10 @@ def test_the_values_schema_refuses_bad_values(bad, says):
 @pytest.mark.parametrize("monitoring", [False, True], ids=["plain", "with-monitoring-api"])
 @pytest.mark.parametrize("values", COMBINATIONS)
 def test_every_rendered_manifest_validates_against_the_kubernetes_schema(values, monitoring):
-    docs = render_chart(values, monitoring=monitoring)
+    # A combination that asks for the monitors fails without their API (test_monitoring_without_its_api_*):
+    # the rest of it is rendered with the monitors skipped.
+    sets = () if monitoring or not wants_monitors(values) else ("monitoring.requireCRDs=false",)
+    docs = render_chart(values, sets=sets, monitoring=monitoring)
     assert by_kind(docs, "Deployment") and by_kind(docs, "CustomResourceDefinition")
     for doc in docs:
         if doc["apiVersion"] == MONITORING:
@@ -163,6 +177,8 @@ def test_the_crd_is_the_committed_file():
 
 
 # -- RBAC --------------------------------------------------------------------------------------------------
+OPERATOR = "ecrec-operator"  # the operator's ClusterRole (release "ecrec")
+USER_ROLES = ("ecrec-view", "ecrec-edit")  # aggregated into the built-in view/edit/admin
 NETWORK_POLICY_RULE = {
     "apiGroups": ["networking.k8s.io"],
     "resources": ["networkpolicies"],
@@ -179,23 +195,55 @@ def deploy_rules() -> list[dict]:
     return one([d for d in docs if d], "ClusterRole")["rules"]
 
 
+LEADER_ELECTION = f"{OPERATOR}-leader-election"
+
+
+def deploy_leader_election_rules() -> list[dict]:
+    docs = list(yaml.safe_load_all((REPO / "operator/deploy/rbac.yaml").read_text()))
+    return one([d for d in docs if d], "Role", LEADER_ELECTION)["rules"]
+
+
+def assert_leader_election_rbac(docs: list[dict]) -> None:
+    """The operator's Lease (--leader-elect): a Role in the release namespace, as in operator/deploy/rbac.yaml."""
+    role = one(docs, "Role", LEADER_ELECTION)
+    assert role["metadata"]["namespace"] == NS
+    assert canonical(role["rules"]) == canonical(deploy_leader_election_rules())
+    assert {r for rule in role["rules"] for r in rule["resources"]} == {"leases"}
+    binding = one(docs, "RoleBinding", LEADER_ELECTION)
+    assert binding["metadata"]["namespace"] == NS
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": LEADER_ELECTION,
+    }
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ecrec-operator", "namespace": NS}]
+
+
 def test_cluster_wide_rbac_is_operator_deploy_rbac_yaml():
     docs = render_chart("minimal-values.yaml", sets=("rbac.create=true",))  # networkPolicy.enabled=false
-    assert canonical(one(docs, "ClusterRole")["rules"]) == canonical(deploy_rules())
+    assert canonical(one(docs, "ClusterRole", OPERATOR)["rules"]) == canonical(deploy_rules())
     binding = one(docs, "ClusterRoleBinding")
-    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == OPERATOR
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ecrec-operator", "namespace": NS}]
-    assert not by_kind(docs, "Role")
+    assert [r["metadata"]["name"] for r in by_kind(docs, "Role")] == [LEADER_ELECTION]
+    assert_leader_election_rbac(docs)
     # With NetworkPolicies on, the operator may also create each job's policy, nothing else.
     docs = render_chart("default-values.yaml")
-    assert canonical(one(docs, "ClusterRole")["rules"]) == canonical([*deploy_rules(), NETWORK_POLICY_RULE])
+    assert canonical(one(docs, "ClusterRole", OPERATOR)["rules"]) == canonical(
+        [*deploy_rules(), NETWORK_POLICY_RULE]
+    )
 
 
 def test_namespaced_rbac_splits_the_same_rules_into_a_role_per_namespace():
     docs = render_chart("namespaced-values.yaml")
-    roles = by_kind(docs, "Role")
+    assert_leader_election_rbac(docs)
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] != LEADER_ELECTION]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    (cluster_role,) = by_kind(docs, "ClusterRole")
+    cluster_role = one(docs, "ClusterRole", f"{OPERATOR}-cluster")
+    assert {r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")} == {
+        f"{OPERATOR}-cluster",
+        *USER_ROLES,
+    }
     for role in roles:
         assert canonical(role["rules"] + cluster_role["rules"]) == canonical(
             [*deploy_rules(), NETWORK_POLICY_RULE]
@@ -206,7 +254,7 @@ def test_namespaced_rbac_splits_the_same_rules_into_a_role_per_namespace():
         "namespaces",
     }
     assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"list", "watch"}
-    bindings = by_kind(docs, "RoleBinding")
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] != LEADER_ELECTION]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
         assert b["roleRef"] == {
@@ -224,6 +272,64 @@ def test_existing_service_account_and_no_rbac():
     assert not by_kind(docs, "ServiceAccount") and not by_kind(docs, "ClusterRole")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "ecrec-operator"
+
+
+def rule_allows(rules: list[dict], resource: str, verb: str) -> bool:
+    return any(
+        "ecrec.dev" in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules
+    )
+
+
+READ = ("get", "list", "watch")
+WRITE = ("create", "update", "patch", "delete", "deletecollection")
+
+
+@pytest.mark.parametrize("values", ["default-values.yaml", "namespaced-values.yaml"])
+def test_namespace_users_get_ecrecjobs_through_the_built_in_view_edit_and_admin_roles(values):
+    """As Kubeflow does for its jobs: ClusterRoles aggregated into view, edit and admin, so that the users a
+    namespace's RoleBindings already give those roles may read (view) or run (edit, admin) ECRecJobs there."""
+    docs = render_chart(values)
+    view, edit = (one(docs, "ClusterRole", name) for name in USER_ROLES)
+    aggregate = "rbac.authorization.k8s.io/aggregate-to-"
+    assert {k: v for k, v in view["metadata"]["labels"].items() if k.startswith(aggregate)} == {
+        aggregate + "view": "true"
+    }
+    assert {k: v for k, v in edit["metadata"]["labels"].items() if k.startswith(aggregate)} == {
+        aggregate + "edit": "true",
+        aggregate + "admin": "true",
+    }
+    for role in (view, edit):
+        kubernetes_validate.validate(role, K8S_SCHEMA, strict=True)
+        assert "aggregationRule" not in role  # they are aggregated, they aggregate nothing
+        # ECRecJobs only: nothing of the pods, Secrets or Services the operator makes.
+        assert {g for r in role["rules"] for g in r["apiGroups"]} == {"ecrec.dev"}
+        assert {res for r in role["rules"] for res in r["resources"]} == {"ecrecjobs", "ecrecjobs/status"}
+    for verb in READ:
+        assert rule_allows(view["rules"], "ecrecjobs", verb) and rule_allows(
+            view["rules"], "ecrecjobs/status", verb
+        )
+        assert rule_allows(edit["rules"], "ecrecjobs", verb) and rule_allows(
+            edit["rules"], "ecrecjobs/status", verb
+        )
+    for verb in WRITE:
+        assert not rule_allows(view["rules"], "ecrecjobs", verb), verb
+        assert rule_allows(edit["rules"], "ecrecjobs", verb), verb
+        # The status is the operator's: a user who could write it could fake a job's progress.
+        assert not rule_allows(edit["rules"], "ecrecjobs/status", verb), verb
+        assert not rule_allows(view["rules"], "ecrecjobs/status", verb), verb
+    # The chart binds them to nobody: the built-in roles' bindings do.
+    bound = [
+        b["roleRef"]["name"] for kind in ("ClusterRoleBinding", "RoleBinding") for b in by_kind(docs, kind)
+    ]
+    assert not set(bound) & set(USER_ROLES)
+
+
+def test_the_user_roles_can_be_left_out():
+    for docs in (
+        render_chart("minimal-values.yaml"),  # rbac.create=false: RBAC managed elsewhere
+        render_chart("default-values.yaml", sets=("rbac.aggregateToDefaultRoles=false",)),
+    ):
+        assert not [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"] in USER_ROLES]
 
 
 # -- security ----------------------------------------------------------------------------------------------
@@ -250,7 +356,7 @@ def test_the_operator_pod_is_restricted_and_has_resources():
 
 @pytest.mark.parametrize("values", COMBINATIONS)
 def test_job_pods_get_the_charts_security_contexts_images_and_labels(values):
-    docs = render_chart(values)
+    docs = render_chart(values, monitoring=wants_monitors(values))
     given = yaml.safe_load((CHART / "ci" / values).read_text()) or {}
     merged = merge(yaml.safe_load((CHART / "values.yaml").read_text()), given)
     defaults = operator_config(docs)
@@ -297,9 +403,16 @@ def test_the_deployment_probes_kopfs_health_endpoint_and_mounts_its_config():
     pod = deploy["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == "ecrec-operator:0.1.0"
-    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    # One replica by default; any number may run (operator.replicas) and overlap in a rollout: only the holder
+    # of the Lease (named after the Deployment, in its namespace: POD_NAMESPACE) acts.
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "RollingUpdate"
     args = c["args"]
     arg = dict(zip(args, args[1:], strict=False))
+    assert "--leader-elect" in args and arg["--leader-elect-name"] == OPERATOR
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    two = one(render_chart("default-values.yaml", sets=("operator.replicas=2",)), "Deployment")
+    assert two["spec"]["replicas"] == 2
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert arg["--health-port"] == str(ports["health"]) and arg["--metrics-port"] == str(ports["metrics"])
     assert arg["--health-addr"] == arg["--metrics-addr"] == "$(POD_IP)"
@@ -325,8 +438,21 @@ def test_a_new_config_rolls_the_operator():
 
 
 # -- NetworkPolicies ---------------------------------------------------------------------------------------
+def test_the_chart_needs_kubernetes_1_21_for_the_namespace_label_its_policies_select():
+    """The policies select the operator's namespace (and, in the examples, Prometheus') by
+    kubernetes.io/metadata.name, which Kubernetes sets on every namespace from 1.21: the chart says so."""
+    assert yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"] == ">=1.21.0-0"
+    proc = helm("template", "ecrec", str(CHART), "--kube-version", "1.20.15", check=False)
+    assert proc.returncode != 0 and "requires kubeVersion" in proc.stderr, proc.stderr
+    helm("template", "ecrec", str(CHART), "--kube-version", "1.21.0")
+    peers = operator_config(render_chart("default-values.yaml")).network_policy.operator_peers
+    assert [p["namespaceSelector"] for p in peers] == [{"matchLabels": {"kubernetes.io/metadata.name": NS}}]
+    readme = (CHART / "README.md").read_text()
+    assert "Kubernetes ≥ 1.21" in readme and "≥ 1.20" not in readme
+
+
 def test_the_operator_policy_selects_the_operator_pod_and_opens_only_its_ports():
-    docs = render_chart("monitoring-values.yaml")
+    docs = render_chart("monitoring-values.yaml", monitoring=True)  # as on kube-prometheus-stack's cluster
     deploy = one(docs, "Deployment")
     pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
     np = one(docs, "NetworkPolicy")
@@ -390,12 +516,51 @@ def test_the_job_policy_from_the_charts_config_isolates_each_job():
 
 
 # -- monitoring --------------------------------------------------------------------------------------------
+def monitors(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs if d["apiVersion"] == MONITORING)
+
+
 @pytest.mark.parametrize("values", COMBINATIONS)
-def test_monitors_only_where_the_cluster_serves_their_api(values):
-    assert not [d for d in render_chart(values) if d["apiVersion"] == MONITORING]
-    with_api = [d["kind"] for d in render_chart(values, monitoring=True) if d["apiVersion"] == MONITORING]
-    expected = [] if values == "minimal-values.yaml" else ["PodMonitor", "ServiceMonitor"]
-    assert sorted(with_api) == expected
+def test_monitors_only_when_enabled_and_where_the_cluster_serves_their_api(values):
+    wanted = wants_monitors(values)
+    assert monitors(render_chart(values, monitoring=True)) == (
+        ["PodMonitor", "ServiceMonitor"] if wanted else []
+    )
+    if not wanted:
+        assert monitors(render_chart(values)) == []
+        return
+    # Asked for, on a cluster without the Prometheus Operator's API: the render fails and says why ...
+    proc = helm("template", "ecrec", str(CHART), "-n", NS, "-f", str(CHART / "ci" / values), check=False)
+    assert proc.returncode != 0
+    for says in ("monitoring.coreos.com/v1", "kube-prometheus-stack", "monitoring.requireCRDs=false"):
+        assert says in proc.stderr, proc.stderr
+    # ... unless the values say to skip them there.
+    assert monitors(render_chart(values, sets=("monitoring.requireCRDs=false",))) == []
+
+
+def test_monitoring_is_opt_in_and_fails_loudly_without_its_api():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["monitoring"]
+    # Off by default (a cluster without kube-prometheus-stack installs the chart as it is); once asked for,
+    # the monitors are required.
+    assert values["enabled"] is False and values["requireCRDs"] is True
+    assert monitors(render_chart("default-values.yaml", monitoring=True)) == []
+    on = ("monitoring.enabled=true",)
+    assert monitors(render_chart("default-values.yaml", sets=on, monitoring=True)) == [
+        "PodMonitor",
+        "ServiceMonitor",
+    ]
+    proc = helm("template", "ecrec", str(CHART), "--set", on[0], check=False)
+    assert proc.returncode != 0 and "does not serve monitoring.coreos.com/v1" in proc.stderr, proc.stderr
+    # Each monitor on its own; with both off there is nothing to require.
+    only_pods = (*on, "monitoring.serviceMonitor.enabled=false")
+    assert monitors(render_chart("default-values.yaml", sets=only_pods, monitoring=True)) == ["PodMonitor"]
+    proc = helm("template", "ecrec", str(CHART), "--set", f"{only_pods[1]}", "--set", on[0], check=False)
+    assert proc.returncode != 0, "a PodMonitor alone is required too"
+    none = (*only_pods, "monitoring.podMonitor.enabled=false")
+    assert monitors(render_chart("default-values.yaml", sets=none)) == []
+    # The schema knows the new keys (a typo of them is refused like any other).
+    proc = helm("lint", str(CHART), "--set", "monitoring.requireCRD=false", check=False)
+    assert proc.returncode != 0 and "requireCRD" in proc.stdout + proc.stderr
 
 
 def test_monitors_select_the_operator_service_and_the_coordinators():
@@ -424,7 +589,10 @@ def test_monitors_select_the_operator_service_and_the_coordinators():
     assert [e["port"] for e in pm["spec"]["podMetricsEndpoints"]] == ["metrics"]
     assert selects(pm["spec"]["selector"], {"ecrec.dev/role": "worker"})
     # By default only the coordinators (their series carry the whole job), in the watched namespaces.
-    default = one(render_chart("namespaced-values.yaml", monitoring=True), "PodMonitor")
+    default = one(
+        render_chart("namespaced-values.yaml", sets=("monitoring.enabled=true",), monitoring=True),
+        "PodMonitor",
+    )
     assert default["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
     coordinator = render.pod(job, "team-a", "coordinator", 0, 1)["metadata"]["labels"]
     assert selects(default["spec"]["selector"], coordinator)
@@ -436,7 +604,7 @@ def test_monitors_select_the_operator_service_and_the_coordinators():
 
 # -- Grafana -----------------------------------------------------------------------------------------------
 def test_the_dashboard_configmap_carries_the_sidecar_label_and_the_dashboard():
-    docs = render_chart("monitoring-values.yaml")
+    docs = render_chart("monitoring-values.yaml", monitoring=True)  # as on kube-prometheus-stack's cluster
     cm = one(docs, "ConfigMap", "ecrec-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["metadata"]["namespace"] == "monitoring"

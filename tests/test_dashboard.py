@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
 from ecrec import cli, dashboard
 from ecrec.metrics import exported_metrics, series_names
+from ecrec_operator import metrics as operator_metrics
 from tests.prom import prometheus_bin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +37,19 @@ def test_ecrec_dashboard_prints_the_committed_file(capsys):
     assert capsys.readouterr().out == dashboard.dashboard_json()
 
 
+def operator_series() -> set[str]:
+    """The series the operator exports (operator/ecrec_operator/metrics.py), as the operator panels may name."""
+    out = set()
+    for collector in vars(operator_metrics).values():
+        if isinstance(collector, MetricWrapperBase):
+            for f in collector.describe():
+                out |= series_names(f.name + "_total" if f.type == "counter" else f.name, f.type)
+    return out
+
+
 def test_every_query_names_only_exported_metrics():
-    known = set()
+    known = operator_series()
+    assert "ecrec_operator_reconciles_total" in known and "ecrec_operator_replacement_seconds_bucket" in known
     for family, kind in exported_metrics().items():
         known |= series_names(family, kind)
     model = json.loads(dashboard.dashboard_json())
@@ -44,7 +57,7 @@ def test_every_query_names_only_exported_metrics():
     exprs += [v["definition"] for v in model["templating"]["list"] if v["type"] == "query"]
     assert len(exprs) == len(dashboard.queries()) and exprs
     for expr in exprs:
-        variable = re.fullmatch(r"label_values\((\w+),\s*\w+\)", expr)  # Grafana's, not PromQL
+        variable = re.fullmatch(r"label_values\((\w+)(\{[^}]*\})?,\s*\w+\)", expr)  # Grafana's, not PromQL
         names = {variable.group(1)} if variable else dashboard.metric_names(expr)
         assert names, f"no metric in {expr!r}"
         unknown = names - known
@@ -64,7 +77,7 @@ def test_metric_names_finds_what_a_query_selects():
 def test_every_query_is_valid_promql(tmp_path):
     # promtool parses each query as a recording rule, with Grafana's variables as Grafana substitutes them.
     rules = [
-        {"record": f"ecrec:dashboard_query_{i}", "expr": dashboard.substitute(q, "some-job", "4s")}
+        {"record": f"ecrec:dashboard_query_{i}", "expr": dashboard.substitute(q, "some-job", "4s", "team-a")}
         for i, q in enumerate(dashboard.queries())
     ]
     path = tmp_path / "rules.yaml"
@@ -83,6 +96,12 @@ def test_dashboard_has_the_variables_and_panels_an_operator_needs():
         variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     )
     assert variables["ecrec_job"]["type"] == "query"
+    # The namespace first, then the jobs of that namespace: two jobs of one name in two namespaces stay apart.
+    names = [v["name"] for v in model["templating"]["list"]]
+    assert names.index("namespace") < names.index("ecrec_job")
+    assert variables["namespace"]["type"] == "query" and not variables["namespace"]["includeAll"]
+    assert variables["namespace"]["definition"] == "label_values(ecrec_training_step, namespace)"
+    assert 'namespace="$namespace"' in variables["ecrec_job"]["definition"]
     titles = [p["title"] for p in model["panels"]]
     for needed in (
         "Throughput",
@@ -97,10 +116,43 @@ def test_dashboard_has_the_variables_and_panels_an_operator_needs():
         "Parity check",
     ):
         assert needed in titles
+    for needed in (
+        "Operator: reconcile passes and errors",
+        "Operator: actions",
+        "Operator: pods created",
+        "Operator: replacement latency",
+    ):
+        assert needed in titles
     assert len({p["id"] for p in model["panels"]}) == len(titles)
+    operator_panels = {p.title for p in dashboard.OPERATOR_PANELS}
     for p in model["panels"]:
         assert p["datasource"]["uid"] == "${datasource}"
         for t in p["targets"]:
+            if p["title"] in operator_panels:
+                # The operator's series belong to no job: never filtered by one, only the operator's named.
+                assert "$ecrec_job" not in t["expr"] and "$namespace" not in t["expr"], t["expr"]
+                assert all(n.startswith("ecrec_operator_") for n in dashboard.metric_names(t["expr"]))
+                continue
             assert '$ecrec_job"' in t["expr"] and "job=" not in t["expr"].replace("ecrec_job=", ""), t["expr"]
+            # Every selector of a job panel names the namespace too.
+            selectors = re.findall(r"\{[^}]*\}", t["expr"])
+            assert selectors and all('namespace="$namespace"' in s for s in selectors), t["expr"]
         x, w = p["gridPos"]["x"], p["gridPos"]["w"]
         assert 0 <= x and x + w <= 24
+    # Panels do not overlap on Grafana's grid.
+    cells = [
+        (x, y)
+        for p in model["panels"]
+        for x in range(p["gridPos"]["x"], p["gridPos"]["x"] + p["gridPos"]["w"])
+        for y in range(p["gridPos"]["y"], p["gridPos"]["y"] + p["gridPos"]["h"])
+    ]
+    assert len(cells) == len(set(cells))
+
+
+def test_substitute_selects_the_namespace_or_series_without_one():
+    expr = dashboard.sel("ecrec_training_step")
+    assert dashboard.substitute(expr, "j", "4s", "team-a") == (
+        'ecrec_training_step{namespace="team-a", ecrec_job="j", role="coordinator"}'
+    )
+    # A local run's series have no namespace label: namespace="" selects exactly those.
+    assert 'namespace=""' in dashboard.substitute(expr, "j", "4s")

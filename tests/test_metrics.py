@@ -12,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ecrec.coordinator import Coordinator, create_app
+from ecrec.coordinator.app import create_app
+from ecrec.coordinator.service import Coordinator
 from ecrec.metrics import JOB_PHASES, LATENCY_BUCKETS, SHARD_STATES, exported_metrics
 from tests.conftest import make_ctx, processes_mentioning
 from tests.prom import local_job, promtool_check_metrics
@@ -82,7 +83,7 @@ def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(t
             60,
         )
         coord_text = httpx.get(f"{job.coordinator}/metrics", timeout=10).text
-        cluster = httpx.get(f"{job.coordinator}/cluster", timeout=10).json()
+        cluster = httpx.get(f"{job.coordinator}/v1/cluster", timeout=10).json()
         server_text = httpx.get(cluster["shards"][2]["metricsUrl"], timeout=10).text  # the rebuilt one
         worker_text = httpx.get(job.worker_metrics_url(0), timeout=10).text
         code = job.stop()
@@ -226,5 +227,5 @@ def test_checkpoint_strategies_export_what_they_cost_and_lost():
     assert value(fams, "ecrec_checkpoints_committed_total", kind="hot") == 5
     assert value(fams, "ecrec_checkpoint_written_bytes_total") == 4096
     assert value(fams, "ecrec_checkpoint_paused_seconds_total") == 1.25
-    assert value(fams, "ecrec_portion_of_lost_samples") == 0.03
+    assert value(fams, "ecrec_portion_of_lost_samples_ratio") == 0.03
     assert value(fams, "ecrec_rollbacks_total") == 0

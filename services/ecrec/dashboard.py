@@ -2,11 +2,16 @@
 
 `ecrec dashboard` prints it; `make dashboard` writes charts/ecrec/dashboards/ecrec.json, which the Helm chart
 ships in a Grafana ConfigMap (tests/test_dashboard.py fails while the committed file is stale, or while a
-query names a metric that no ecrec process exports). Every query reads the coordinator's own series
-(`role="coordinator"`), so a Prometheus that scrapes only the coordinator shows every panel; `$ecrec_job`
-selects the job and `$datasource` the Prometheus.
+query names a metric that no ecrec process exports). Every job panel reads the coordinator's own series
+(`role="coordinator"`), so a Prometheus that scrapes only the coordinator shows every panel; `$namespace` and
+`$ecrec_job` select the job (two jobs of one name in two namespaces stay apart) and `$datasource` the
+Prometheus. `namespace` is the target label the Prometheus Operator gives every series it scrapes through a
+PodMonitor or ServiceMonitor (the chart's); where there is none (a local run: tests/prom.py), the variable is
+empty and `namespace=""` selects the series without the label. The operator panels (`OPERATOR_PANELS`) read
+the operator's own `ecrec_operator_*` series, which belong to no job: they are summed by the operator's
+namespace, whatever job is selected.
 
-`render_png` draws the same panels from a real Prometheus (its `query_range` API evaluates the same PromQL
+`render_png` draws the job panels from a real Prometheus (its `query_range` API evaluates the same PromQL
 Grafana would send) with matplotlib, laid out on Grafana's grid: docs/images/dashboard.png is one.
 """
 
@@ -21,7 +26,7 @@ from pathlib import Path
 from ecrec.metrics import JOB_PHASES, RECOVERY_PHASES, SHARD_STATES
 
 UID = "ecrec-job"
-JOB = '{ecrec_job="$ecrec_job", role="coordinator"}'  # the selector every query starts from
+JOB = '{namespace="$namespace", ecrec_job="$ecrec_job", role="coordinator"}'  # what every job query selects
 RATE = "$__rate_interval"
 
 # Grafana's colors for state timelines, by state (value mappings).
@@ -46,7 +51,7 @@ COLORS = {
 
 
 def sel(metric: str, **labels: str) -> str:
-    """`metric{ecrec_job="$ecrec_job", role="coordinator", k="v"...}`."""
+    """`metric{namespace="$namespace", ecrec_job="$ecrec_job", role="coordinator", k="v"...}`."""
     extra = "".join(f', {k}="{v}"' for k, v in labels.items())
     return f"{metric}{JOB[:-1]}{extra}}}"
 
@@ -249,6 +254,66 @@ PANELS: tuple[Panel, ...] = (
 )
 
 
+# The operator's own metrics (operator/ecrec_operator/metrics.py): one operator serves many jobs, so these are
+# by the operator's namespace (its ServiceMonitor's target label), not by job.
+OP_Y = max(p.grid[1] + p.grid[3] for p in PANELS)
+OPERATOR_PANELS: tuple[Panel, ...] = (
+    Panel(
+        "Operator: reconcile passes and errors",
+        "timeseries",
+        (
+            _t(
+                f"sum by (namespace) (rate(ecrec_operator_reconciles_total[{RATE}]))",
+                "passes/s {{namespace}}",
+            ),
+            _t(
+                f"sum by (namespace, kind) (rate(ecrec_operator_errors_total[{RATE}]))",
+                "errors/s {{kind}} {{namespace}}",
+            ),
+        ),
+        (0, OP_Y, 12, 8),
+        description="The operator's reconcile passes over ECRecJobs, and the actions that failed (retried on "
+        "the next pass), by kind.",
+    ),
+    Panel(
+        "Operator: actions",
+        "timeseries",
+        (_t(f"sum by (kind) (rate(ecrec_operator_actions_total[{RATE}]))", "{{kind}}"),),
+        (12, OP_Y, 12, 8),
+        description="Actions the reconciler decided per second, by kind (all jobs).",
+    ),
+    Panel(
+        "Operator: pods created",
+        "timeseries",
+        (
+            _t(
+                f"sum by (role, replacement) (increase(ecrec_operator_pods_created_total[{RATE}]))",
+                "{{role}} (replacement: {{replacement}})",
+            ),
+        ),
+        (0, OP_Y + 8, 12, 8),
+        description="Pods the operator created, by role, and whether each replaces a lost one.",
+    ),
+    Panel(
+        "Operator: replacement latency",
+        "timeseries",
+        (
+            _t(
+                f"histogram_quantile(0.5, sum by (le) (rate(ecrec_operator_replacement_seconds_bucket[{RATE}])))",
+                "p50",
+            ),
+            _t(
+                f"histogram_quantile(0.99, sum by (le) (rate(ecrec_operator_replacement_seconds_bucket[{RATE}])))",
+                "p99",
+            ),
+        ),
+        (12, OP_Y + 8, 12, 8),
+        unit="s",
+        description="From a server pod seen lost to its replacement's recovery started.",
+    ),
+)
+
+
 def _panel_json(i: int, p: Panel) -> dict:
     x, y, w, h = p.grid
     defaults: dict = {"unit": p.unit}
@@ -293,7 +358,8 @@ def _panel_json(i: int, p: Panel) -> dict:
     }
 
 
-JOB_VARIABLE_QUERY = "label_values(ecrec_training_step, ecrec_job)"
+NAMESPACE_VARIABLE_QUERY = "label_values(ecrec_training_step, namespace)"
+JOB_VARIABLE_QUERY = 'label_values(ecrec_training_step{namespace="$namespace"}, ecrec_job)'
 
 
 def dashboard() -> dict:
@@ -301,7 +367,8 @@ def dashboard() -> dict:
     return {
         "uid": UID,
         "title": "ECRec job",
-        "description": "Training, shard states, recovery and degraded traffic of an ECRec job (ecrec.dashboard)",
+        "description": "Training, shard states, recovery and degraded traffic of an ECRec job, and the "
+        "operator's reconciles (ecrec.dashboard)",
         "tags": ["ecrec"],
         "editable": True,
         "schemaVersion": 39,
@@ -317,6 +384,20 @@ def dashboard() -> dict:
                     "label": "Prometheus",
                     "type": "datasource",
                     "query": "prometheus",
+                    "current": {},
+                    "hide": 0,
+                },
+                {
+                    "name": "namespace",
+                    "label": "Namespace",
+                    "type": "query",
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "query": {"query": NAMESPACE_VARIABLE_QUERY, "refId": "namespaces"},
+                    "definition": NAMESPACE_VARIABLE_QUERY,
+                    "refresh": 2,
+                    "sort": 1,
+                    "multi": False,
+                    "includeAll": False,
                     "current": {},
                     "hide": 0,
                 },
@@ -337,7 +418,7 @@ def dashboard() -> dict:
             ]
         },
         "annotations": {"list": []},
-        "panels": [_panel_json(i, p) for i, p in enumerate(PANELS)],
+        "panels": [_panel_json(i, p) for i, p in enumerate(PANELS + OPERATOR_PANELS)],
     }
 
 
@@ -389,17 +470,23 @@ def metric_names(expr: str) -> set[str]:
 
 def queries() -> list[str]:
     """Every PromQL expression of the dashboard: its panels' and its variables'."""
-    exprs = [t.expr for p in PANELS for t in p.targets]
-    exprs.append(JOB_VARIABLE_QUERY.removeprefix("label_values(").split(",")[0])
+    exprs = [t.expr for p in PANELS + OPERATOR_PANELS for t in p.targets]
+    for variable in (NAMESPACE_VARIABLE_QUERY, JOB_VARIABLE_QUERY):
+        exprs.append(variable.removeprefix("label_values(").rsplit(",", 1)[0])
     return exprs
 
 
 # -- rendering from a real Prometheus ---------------------------------------------------------------------
 
 
-def substitute(expr: str, job: str, rate_interval: str) -> str:
-    """The query Grafana sends for `expr` with job `job` selected."""
-    return expr.replace("$ecrec_job", job).replace("$__rate_interval", rate_interval)
+def substitute(expr: str, job: str, rate_interval: str, namespace: str = "") -> str:
+    """The query Grafana sends for `expr` with job `job` of `namespace` selected ("": series without a
+    namespace label, as a local run's are)."""
+    return (
+        expr.replace("$namespace", namespace)
+        .replace("$ecrec_job", job)
+        .replace("$__rate_interval", rate_interval)
+    )
 
 
 def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:
@@ -451,14 +538,23 @@ def legend(fmt: str, labels: dict) -> str:
 
 
 def panel_data(
-    prometheus: str, job: str, start: float, end: float, step: float = 1.0, rate_interval: str = "4s"
+    prometheus: str,
+    job: str,
+    start: float,
+    end: float,
+    step: float = 1.0,
+    rate_interval: str = "4s",
+    namespace: str = "",
 ) -> dict[str, list[tuple[str, list[tuple[float, float]]]]]:
-    """{panel title: [(legend, [(t, value)...]) per series]} as Grafana would get it from `prometheus`."""
+    """{panel title: [(legend, [(t, value)...]) per series]} of the job panels (`PANELS`, not the operator's)
+    as Grafana would get it from `prometheus`."""
     out = {}
     for p in PANELS:
         series = []
         for t in p.targets:
-            for res in query_range(prometheus, substitute(t.expr, job, rate_interval), start, end, step):
+            for res in query_range(
+                prometheus, substitute(t.expr, job, rate_interval, namespace), start, end, step
+            ):
                 points = [(float(ts), float(v)) for ts, v in res["values"]]
                 points = [(ts, v) for ts, v in points if math.isfinite(v)]
                 series.append((legend(t.legend, res["metric"]), points))

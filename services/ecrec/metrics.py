@@ -314,7 +314,9 @@ class JobCollector:
             "ecrec_steps_redone", "Steps trained again after rollbacks", labels=names
         )
         pls = GaugeMetricFamily(
-            "ecrec_portion_of_lost_samples", "CPR's portion of lost samples (partial recovery)", labels=names
+            "ecrec_portion_of_lost_samples_ratio",
+            "CPR's portion of lost samples (partial recovery)",
+            labels=names,
         )
         if (ck := st.get("checkpointing")) is not None:
             for kind, n in sorted(ck["committed"].items()):

@@ -105,6 +105,18 @@ the namespaced ones go into a Role per watched namespace when watchNamespaces is
   verbs: [list, watch]
 {{- end -}}
 
+{{/* Leader election (ecrec-operator --leader-elect): the same as the Role in operator/deploy/rbac.yaml. */}}
+{{- define "ecrec.rules.leaderElection" -}}
+# Its Lease: created once (a create cannot be limited to a name), then read and renewed.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create]
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  resourceNames: [{{ include "ecrec.operatorName" . }}]
+  verbs: [get, update]
+{{- end -}}
+
 {{/* The operator's config (ecrec-operator --config): the job pods' defaults, render.PodDefaults. */}}
 {{- define "ecrec.operatorConfig" -}}
 {{- $image := include "ecrec.image" . -}}
