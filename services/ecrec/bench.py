@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import torch
 
+from ecrec.core.roles import ROLES as CORE_ROLES
 from ecrec.forkserver import die_with
 from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
@@ -30,7 +31,9 @@ from ecrec.store import ShardStore
 from ecrec.streams import StreamPool
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 
+# The roles (ecrec.core.roles) in the order of the tables' CPU columns: the costliest first.
 ROLES = ("worker", "server", "coordinator")
+assert sorted(ROLES) == sorted(CORE_ROLES)
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .core.roles import ROLES as CORE_ROLES
 from .podlabels import LABEL_JOB, pod_identity
 
 ACTIONS = ("pod-kill", "pod-failure")
 INJECTORS = ("auto", "chaos-mesh", "annotation")
-ROLES = ("server", "worker", "coordinator", "any")
-# THE roles `--role any` draws from, and the only ones a fault may target. The coordinator fails over
-# (docs/protocol.md): its successor starts from the state the operator keeps in the job's status.
+# The roles `--role any` draws from, and the only ones a fault may target: every process role (ecrec.core.roles)
+# in the order a seeded draw has always used. The coordinator fails over (docs/protocol.md): its successor
+# starts from the state the operator keeps in the job's status.
 ANY_ROLES: tuple[str, ...] = ("server", "worker", "coordinator")
+assert sorted(ANY_ROLES) == sorted(CORE_ROLES)
+ROLES = (*ANY_ROLES, "any")
 
 # The annotation injector (honoured by tests/k8s/kubelet/) and the node label saying a node honours it.
 PAUSE_SECONDS = "chaos.ecrec.dev/pause-seconds"

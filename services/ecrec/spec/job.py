@@ -89,10 +89,10 @@ class JobSpec(_Section):
         )
 
 
-ROLES = ("servers", "workers", "coordinator")
+ROLE_SECTIONS = ("servers", "workers", "coordinator")  # the spec sections of the roles (ecrec.core.roles)
 # camelCase paths below spec of the fields only the Kubernetes operator reads.
 KUBERNETES_ONLY_FIELDS: tuple[str, ...] = (
-    *(f"{role}.{field}" for role in ROLES for field in ROLE_POD_FIELDS),
+    *(f"{role}.{field}" for role in ROLE_SECTIONS for field in ROLE_POD_FIELDS),
     "runPolicy",
 )
 
@@ -135,7 +135,7 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
             f"spec.coordinator.failureTimeoutSeconds: must be greater than heartbeatIntervalSeconds "
             f"({c.failure_timeout_seconds} <= {c.heartbeat_interval_seconds})"
         )
-    for role in ROLES:
+    for role in ROLE_SECTIONS:
         out += _pod_problems(f"spec.{role}", getattr(s, role))
     return out
 

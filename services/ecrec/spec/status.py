@@ -34,7 +34,6 @@ ShardStateName = Literal["pending", "up", "failed", "recovering"]  # ecrec.core.
 RecoveryState = Literal[
     "detected", "waiting", "running", "completed", "failed"
 ]  # core.recovery.RecoveryRecord
-ROLE_NAMES = ("server", "worker", "coordinator")  # the `role` pod label and metrics label
 
 
 class _Status(_Section):
