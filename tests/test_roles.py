@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from ecrec.core.roles import PROCESS_ROLES
-from ecrec.roles import role_argv
+from ecrec.roles import CPUS_ENV, parse_cpus, role_argv, role_cpus
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -44,3 +48,39 @@ def test_every_process_role_has_an_argv_and_nothing_else_does():
         assert role_argv(role, job="j", coordinator="c")[0] == "ecrec"
     with pytest.raises(ValueError, match="not one of"):
         role_argv("scheduler", job="j")
+
+
+# -- the cores of a role's processes (ECREC_CPUS, `ecrec local --cpus ROLE=CORES`) ----------------------------
+PROBE = (
+    "import os, sys, types\n"
+    "sys.modules['probe'] = types.SimpleNamespace(main=lambda argv: print(sorted(os.sched_getaffinity(0))))\n"
+    "import ecrec.roles as roles\n"
+    "roles.ROLE_MODULES['worker'] = 'probe'\n"
+    "roles.run_role('worker', [])\n"
+)
+
+
+def run_probe(cpus: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, CPUS_ENV: cpus}
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_role_process_runs_on_the_cores_it_is_given():
+    out = run_probe("0")
+    assert out.returncode == 0 and out.stdout.strip() == "[0]", out.stderr
+    bad = run_probe("1-0")
+    assert bad.returncode != 0 and "runs backwards" in bad.stderr
+
+
+def test_cores_are_parsed_and_checked_before_anything_starts():
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    for text in ("", "a", "3-", "2-1"):
+        with pytest.raises(ValueError):
+            parse_cpus(text)
+    assert role_cpus(["server=0", "worker=0"]) == {"server": "0", "worker": "0"}
+    with pytest.raises(ValueError, match="ROLE=CORES"):
+        role_cpus(["spare=0"])
+    with pytest.raises(ValueError, match="twice"):
+        role_cpus(["server=0", "server=0"])
+    with pytest.raises(ValueError, match="not available"):
+        role_cpus([f"worker={max(os.sched_getaffinity(0)) + 1}"])

@@ -25,11 +25,17 @@ def cmd_local(args) -> int:
     from ecrec.data import check_data
     from ecrec.local import JobFailed, run_local, write_report
     from ecrec.plot import plot_report
+    from ecrec.roles import role_cpus
 
     console = Console(stderr=True)
     ctx = _job(args)
     try:
         kills = [_parse_kill(k, ctx.num_servers, ctx.spec.workers.replicas) for k in args.kill or ()]
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    try:
+        cpus = role_cpus(args.cpus or [])
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
@@ -67,6 +73,7 @@ def cmd_local(args) -> int:
             chaos=args.chaos,
             seed=args.seed if args.seed is not None else ctx.spec.training.seed,
             rebuild_error=args.rebuild_error,
+            cpus=cpus,
         )
     except JobFailed as e:
         console.print(f"[red]job failed:[/] {e}")
@@ -255,6 +262,35 @@ def cmd_bench_overhead(args) -> int:
     return 0
 
 
+def cmd_bench_scaling(args) -> int:
+    from ecrec.roles import role_cpus
+    from ecrec.scalingbench import bench_scaling
+
+    def ints(text: str, what: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(
+                f"ecrec bench scaling: {what} {text!r}: comma-separated integers, e.g. 2,4,8"
+            ) from None
+
+    try:
+        bench_scaling(
+            args.job,
+            ints(args.workers, "--workers"),
+            args.steps,
+            args.set or [],
+            Path(args.out),
+            ks=ints(args.ks, "--ks"),
+            zipf=args.zipf,
+            rounds=args.rounds,
+            cpus=role_cpus(args.cpus or []),
+        )
+    except ValueError as e:
+        raise SystemExit(f"ecrec bench scaling: {e}") from None
+    return 0
+
+
 def cmd_bench_handlers(args) -> int:
     from ecrec.handlerbench import bench_handlers
 
@@ -360,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="write the JSON report here (default: OUT/report.json)")
     p.add_argument("--plot", help="write a throughput-over-time PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--cpus",
+        action="append",
+        metavar="ROLE=CORES",
+        help="run a role's processes on these cores only, e.g. --cpus server=0-5 --cpus worker=6-15 (repeatable)",
+    )
     p.add_argument(
         "--kill",
         action="append",
@@ -504,6 +546,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-overhead")
     p.set_defaults(fn=cmd_bench_overhead)
+
+    p = bench.add_parser(
+        "scaling", help="No FT vs ECRec at several worker counts: does ECRec keep up as workers grow"
+    )
+    p.add_argument("--job", default="examples/local-small.yaml")
+    p.add_argument("--workers", default="2,4", help="worker counts, comma-separated (default 2,4)")
+    p.add_argument("--ks", default="4", help="ECRec's k values, comma-separated (default 4)")
+    p.add_argument(
+        "--zipf", type=float, default=None, help="data.zipfExponent of every run (default: the job's)"
+    )
+    p.add_argument("--steps", type=int, default=300, help="training steps per worker")
+    p.add_argument("--rounds", type=int, default=1, help="rounds in alternating order; medians reported")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE")
+    p.add_argument(
+        "--cpus",
+        action="append",
+        metavar="ROLE=CORES",
+        help="run a role's processes on these cores only, e.g. --cpus server=0-5 --cpus worker=6-15 (servers on cores of their own)",
+    )
+    p.add_argument("--out", default="out/bench-scaling", help="summary.json goes here")
+    p.set_defaults(fn=cmd_bench_scaling)
 
     p = bench.add_parser(
         "handlers",

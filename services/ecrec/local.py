@@ -33,7 +33,7 @@ from ecrec.coordinator.contract import EventIn, WorkerLost
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.forkserver import Forked, ForkServer
 from ecrec.jobctx import JobContext
-from ecrec.roles import role_argv
+from ecrec.roles import CPUS_ENV, role_argv
 from ecrec.spec import JobSpec
 
 
@@ -95,6 +95,7 @@ class LocalCluster:
     children: dict[str, Child] = field(default_factory=dict)
     coordinator_url: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    cpus: dict[str, str] = field(default_factory=dict)  # role -> the cores its processes run on (ECREC_CPUS)
     history: list[Child] = field(default_factory=list)  # every process started, dead ones too
 
     def __post_init__(self) -> None:
@@ -143,7 +144,10 @@ class LocalCluster:
             incarnation=incarnation,
             instance=instance,
         )
-        child.proc = self.forkserver.spawn(child.argv[1:], self._child_env(), child.log_path, name)
+        env = self._child_env()
+        if cores := self.cpus.get("server" if role == "spare" else role):
+            env[CPUS_ENV] = cores
+        child.proc = self.forkserver.spawn(child.argv[1:], env, child.log_path, name)
         self.children[name] = child
         self.history.append(child)
         return child
@@ -459,6 +463,7 @@ def run_local(
     rebuild_error: bool = False,
     env: dict[str, str] | None = None,
     hold_seed: Callable[[dict], bool] | None = None,
+    cpus: dict[str, str] | None = None,
 ) -> dict:
     """Run the job to completion and return the report. Raises JobFailed (after cleaning up) on failure.
 
@@ -467,14 +472,14 @@ def run_local(
     how far the decoded records were from that run's (ecrec.rebuild_error). `env` goes to the children.
     `hold_seed` (tests): once the coordinator's saved state satisfies it, a successor coordinator starts from
     that state however much later its predecessor dies (the seed a launcher saved just before it missed
-    the last few changes)."""
+    the last few changes). `cpus`: role -> the cores its processes run on (`0-5`; a spare's are the servers')."""
     from ecrec import finalchecks
     from ecrec import rebuild_error as rebuild
     from ecrec.client import PSClient
 
     if rebuild_error and not ctx.spec.training.deterministic:
         raise ValueError("rebuild_error needs training.deterministic: true (it compares with a rerun)")
-    cluster = LocalCluster(ctx, out_dir)
+    cluster = LocalCluster(ctx, out_dir, cpus=dict(cpus or {}))
     ctx = cluster.ctx  # with the job token
     cluster.env.update(env or {})
     if rebuild_error:

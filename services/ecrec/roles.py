@@ -8,6 +8,7 @@ import the CLI (which imports the launcher, which imports the fork server).
 from __future__ import annotations
 
 import importlib
+import os
 
 from ecrec.core.roles import ROLES, SPARE
 
@@ -16,8 +17,58 @@ ROLE_MODULES = {"coordinator": "ecrec.coordinator", "server": "ecrec.server", "w
 assert tuple(ROLE_MODULES) == ROLES
 
 
+# The cores this process may run on (`0-5,8`), set per role by `ecrec local --cpus` (and the benchmarks): servers
+# on cores of their own, as pods with CPU requests have on a cluster, and workers not competing with them.
+CPUS_ENV = "ECREC_CPUS"
+
+
+def parse_cpus(text: str) -> set[int]:
+    """`0-5,8` -> {0, 1, 2, 3, 4, 5, 8}; ValueError naming what is wrong."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{text!r}: cores as a list of numbers and ranges, e.g. 0-5,8")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"{text!r}: range {part.strip()} runs backwards")
+        cpus.update(range(a, b + 1))
+    return cpus
+
+
+def role_cpus(items: list[str]) -> dict[str, str]:
+    """`--cpus ROLE=CORES` arguments as {role: cores}, each role once, each core one this process may use."""
+    out: dict[str, str] = {}
+    allowed = os.sched_getaffinity(0)
+    for item in items:
+        role, sep, spec = item.partition("=")
+        if not sep or role not in ROLES:
+            raise ValueError(
+                f"--cpus {item!r}: ROLE=CORES with ROLE one of {', '.join(ROLES)} (e.g. server=0-5)"
+            )
+        if role in out:
+            raise ValueError(f"--cpus: {role} given twice")
+        if missing := sorted(parse_cpus(spec) - allowed):
+            raise ValueError(
+                f"--cpus {item}: cores {missing} are not available here (this process may use {len(allowed)})"
+            )
+        out[role] = spec
+    return out
+
+
+def cores() -> int:
+    """How many cores this process may use (its affinity: all of the machine's unless pinned)."""
+    return len(os.sched_getaffinity(0))
+
+
 def run_role(role: str, argv: list[str]) -> None:
-    """`ecrec coordinator|server|worker ARGS`: the process of one role, ARGS handed to its module's main."""
+    """`ecrec coordinator|server|worker ARGS`: the process of one role, ARGS handed to its module's main; on
+    the cores ECREC_CPUS names, if set."""
+    if spec := os.environ.get(CPUS_ENV):
+        try:
+            os.sched_setaffinity(0, parse_cpus(spec))
+        except (ValueError, OSError) as e:  # OSError: cores this machine does not have
+            raise SystemExit(f"{CPUS_ENV}={spec}: {e}") from None
     importlib.import_module(ROLE_MODULES[role]).main(argv)
 
 

@@ -34,6 +34,7 @@ from ecrec.jobctx import JobContext
 from ecrec.metrics import Metrics
 from ecrec.model import flatten_dense_grad, load_dense_
 from ecrec.retries import ServerUnavailable, Stalled
+from ecrec.roles import CPUS_ENV, cores
 from ecrec.termination import EXIT_CODE, Terminated, Termination
 
 log = logging.getLogger("ecrec.worker")
@@ -469,7 +470,10 @@ def run_worker(
     term = term or Termination()  # not installed: never requested
     spec = ctx.spec
     workers = spec.workers.replicas
-    threads = spec.workers.threads or max(1, (os.cpu_count() or 1) // (workers + spec.servers.replicas))
+    # threads 0: the process's cores shared between the processes on them (all of the job's, unless the
+    # launcher pinned the roles to cores of their own: then only the workers)
+    sharing = workers if os.environ.get(CPUS_ENV) else workers + spec.servers.replicas
+    threads = spec.workers.threads or max(1, cores() // sharing)
     torch.set_num_threads(threads)
     device = pick_device(spec.workers.device)
     if spec.training.deterministic:
