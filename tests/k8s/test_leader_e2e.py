@@ -11,16 +11,13 @@ for its duration, carries on from what it observes, and the job ends with exactl
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from . import util
-from .test_operator_e2e import sa_kubeconfig
+from .test_operator_e2e import Operator, sa_kubeconfig
 from .testenv import REPO
 from .util import wait_for
 
@@ -32,31 +29,12 @@ TIMINGS = ("--leader-elect-lease-duration", "4", "--leader-elect-renew-deadline"
 TIMINGS += ("--leader-elect-retry-period", "0.5")
 
 
-class Candidate:
+class Candidate(Operator):
+    """One operator replica as the chart runs it (`--leader-elect`), under its own identity, on short timings."""
+
     def __init__(self, identity: str, kubeconfig: Path, log: Path):
-        self.identity, self.kubeconfig, self.log = identity, kubeconfig, log
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ecrec_operator.main", "--namespace", NS, "--leader-elect"]
-                + ["--leader-elect-identity", self.identity, *TIMINGS],
-                env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-                start_new_session=True,
-            )
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        args = ("--leader-elect", "--leader-elect-identity", identity, *TIMINGS)
+        super().__init__(kubeconfig, log, namespace=NS, args=args)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -83,8 +61,8 @@ def candidates(kube, kubelet, ecrec_crd, tmp_path_factory):
     b.start()
     wait_for("op-b to wait", lambda: "op-b waits; op-a leads" in b.text(), timeout=120)
     yield a, b
-    a.kill(signal.SIGTERM)
-    b.kill(signal.SIGTERM)
+    a.stop(signal.SIGTERM)
+    b.stop(signal.SIGTERM)
     print(f"operator logs: {a.log} {b.log}")
     kube.kubectl("delete", "ecrecjobs", "--all", "-n", NS, "--wait=false", check=False)
     kube.kubectl("delete", "pods", "--all", "-n", NS, "--wait=false", check=False)
@@ -114,7 +92,7 @@ def test_killing_the_leader_mid_recovery_hands_over_without_a_double_replacement
         timeout=120,
         every=0.1,
     )
-    a.kill(signal.SIGKILL)  # the leader, mid-recovery: its Lease is not released
+    a.stop(signal.SIGKILL)  # the leader, mid-recovery: its Lease is not released
     wait_for("op-b to lead", lambda: holder(kube) == "op-b", timeout=60, every=0.2)
 
     status = util.wait_done(kube, NS, name)

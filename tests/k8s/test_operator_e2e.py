@@ -59,8 +59,10 @@ def free_port() -> int:
 
 
 class Operator:
-    def __init__(self, kubeconfig: Path, log: Path):
-        self.kubeconfig, self.log = kubeconfig, log
+    """`ecrec-operator` as a local process, with the ServiceAccount's kubeconfig; `args`: more of its flags."""
+
+    def __init__(self, kubeconfig: Path, log: Path, namespace: str = NS, args: tuple[str, ...] = ()):
+        self.kubeconfig, self.log, self.namespace, self.args = kubeconfig, log, namespace, args
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
 
@@ -72,9 +74,10 @@ class Operator:
                     "-m",
                     "ecrec_operator.main",
                     "--namespace",
-                    NS,
+                    self.namespace,
                     "--metrics-port",
                     str(self.metrics_port),
+                    *self.args,
                 ],
                 env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"},
                 stdout=out,
