@@ -18,6 +18,16 @@ def _job(args):
     return JobContext(load_job(args.job, args.set or ()))
 
 
+def _add_cpus(p) -> None:
+    p.add_argument(
+        "--cpus",
+        action="append",
+        metavar="ROLE=CORES",
+        help="run a role's processes on these cores only (repeatable), e.g. --cpus server=0-5 --cpus worker=6-15: "
+        "servers on cores of their own",
+    )
+
+
 def cmd_local(args) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -396,12 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", help="write the JSON report here (default: OUT/report.json)")
     p.add_argument("--plot", help="write a throughput-over-time PNG here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--cpus",
-        action="append",
-        metavar="ROLE=CORES",
-        help="run a role's processes on these cores only, e.g. --cpus server=0-5 --cpus worker=6-15 (repeatable)",
-    )
+    _add_cpus(p)
     p.add_argument(
         "--kill",
         action="append",
@@ -559,12 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=300, help="training steps per worker")
     p.add_argument("--rounds", type=int, default=1, help="rounds in alternating order; medians reported")
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
-    p.add_argument(
-        "--cpus",
-        action="append",
-        metavar="ROLE=CORES",
-        help="run a role's processes on these cores only, e.g. --cpus server=0-5 --cpus worker=6-15 (servers on cores of their own)",
-    )
+    _add_cpus(p)
     p.add_argument("--out", default="out/bench-scaling", help="summary.json goes here")
     p.set_defaults(fn=cmd_bench_scaling)
 

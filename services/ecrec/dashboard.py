@@ -362,6 +362,24 @@ NAMESPACE_VARIABLE_QUERY = "label_values(ecrec_training_step, namespace)"
 JOB_VARIABLE_QUERY = 'label_values(ecrec_training_step{namespace="$namespace"}, ecrec_job)'
 
 
+def _query_variable(name: str, label: str, query: str, ref: str) -> dict:
+    """A template variable whose values a Prometheus query lists (one value chosen, refreshed on time change)."""
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": {"query": query, "refId": ref},
+        "definition": query,
+        "refresh": 2,
+        "sort": 1,
+        "multi": False,
+        "includeAll": False,
+        "current": {},
+        "hide": 0,
+    }
+
+
 def dashboard() -> dict:
     """The Grafana dashboard model (schemaVersion 39, Grafana 10/11)."""
     return {
@@ -387,34 +405,8 @@ def dashboard() -> dict:
                     "current": {},
                     "hide": 0,
                 },
-                {
-                    "name": "namespace",
-                    "label": "Namespace",
-                    "type": "query",
-                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                    "query": {"query": NAMESPACE_VARIABLE_QUERY, "refId": "namespaces"},
-                    "definition": NAMESPACE_VARIABLE_QUERY,
-                    "refresh": 2,
-                    "sort": 1,
-                    "multi": False,
-                    "includeAll": False,
-                    "current": {},
-                    "hide": 0,
-                },
-                {
-                    "name": "ecrec_job",
-                    "label": "Job",
-                    "type": "query",
-                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                    "query": {"query": JOB_VARIABLE_QUERY, "refId": "jobs"},
-                    "definition": JOB_VARIABLE_QUERY,
-                    "refresh": 2,
-                    "sort": 1,
-                    "multi": False,
-                    "includeAll": False,
-                    "current": {},
-                    "hide": 0,
-                },
+                _query_variable("namespace", "Namespace", NAMESPACE_VARIABLE_QUERY, "namespaces"),
+                _query_variable("ecrec_job", "Job", JOB_VARIABLE_QUERY, "jobs"),
             ]
         },
         "annotations": {"list": []},
