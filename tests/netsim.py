@@ -71,7 +71,14 @@ Hook = Callable[[Call], None]
 def wire_copy(b: DeltaBatch, server: int) -> DeltaBatch:
     """A delta batch as the receiving server sees it: its own tensors, addressed to it."""
     return DeltaBatch(
-        server, b.txn, b.src, b.index.clone(), b.slot.clone(), b.delta.clone(), b.version.clone()
+        server,
+        b.txn,
+        b.src,
+        b.index.clone(),
+        b.slot.clone(),
+        b.delta.clone(),
+        b.version.clone(),
+        b.incarnation,
     )
 
 

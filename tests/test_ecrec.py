@@ -97,27 +97,40 @@ def test_kill_during_second_half_of_recovery(tmp_path, baseline):
 # One point per distinct situation of docs/protocol.md's failure table; the others (a message or its answer
 # lost, a death before the decisions) are driven step by step in-process by tests/test_store_protocol.py.
 @pytest.mark.parametrize(
-    "point",
+    "commit, point",
     [
-        "server-1:stage:after_local@15",  # a data server dies having staged, before answering the stage
-        "server-1:commit:after_apply@15",  # ... having committed, before answering: committed on its behalf
-        "server-3:delta:after_stage@15",  # a parity server dies holding staged deltas
+        # rowLocks (the paper's 2PC)
+        ("rowLocks", "server-1:stage:after_local@15"),  # a data server dies having staged, before answering
+        ("rowLocks", "server-1:commit:after_apply@15"),  # ... having committed: committed on its behalf
+        ("rowLocks", "server-3:delta:after_stage@15"),  # a parity server dies holding staged deltas
+        # deltaLog: a data server dies having applied a part, before answering (its deltas never leave:
+        # the rows are written again at their acting homes); a parity server dies having applied delivered
+        # deltas, before answering (re-encoded from the data rows)
+        ("deltaLog", "server-1:stage:after_local@15"),
+        ("deltaLog", "server-3:delta:after_stage@15"),
     ],
 )
-def test_server_killed_at_each_protocol_step_keeps_i1_and_i2(tmp_path, baseline, point):
-    report = run_local(det_ctx("fault"), tmp_path, progress=False, fault=point)
+def test_server_killed_at_each_protocol_step_keeps_i1_and_i2(tmp_path, baseline, commit, point):
+    ctx = det_ctx("fault", faultTolerance__ecrec__commit=commit)
+    report = run_local(ctx, tmp_path, progress=False, fault=point)
     assert report["fault"]["fired"], "the fault point was never reached"
     assert_consistent(report)
     assert report["params_sha256"] == baseline
 
 
+@pytest.mark.parametrize(
+    "commit, point", [("rowLocks", "commit:after_apply"), ("deltaLog", "stage:after_local")]
+)
 def test_a_server_hung_with_a_commit_unanswered_is_declared_failed_and_nothing_is_applied_twice(
-    tmp_path, baseline
+    tmp_path, baseline, commit, point
 ):
-    # Server 1 hangs (SIGSTOP) right after committing a part, its answer unsent. The worker keeps asking
-    # (an unanswered commit is not an abort) until the coordinator declares it failed, then commits on its
-    # behalf; the supervisor kills the hung process. Bit-identical to the run without a failure.
-    report = run_local(det_ctx("hung"), tmp_path, progress=False, fault="server-1:commit:after_apply@15!stop")
+    # Server 1 hangs (SIGSTOP) right after committing (rowLocks) or applying (deltaLog) a part, its answer
+    # unsent. The worker keeps asking (an unanswered commit is not an abort) until the coordinator declares it
+    # failed, then commits on its behalf (rowLocks) or writes the rows at their acting homes (deltaLog: the
+    # hung process's deltas never left it); the supervisor kills the hung process. Bit-identical to the run
+    # without a failure.
+    ctx = det_ctx("hung", faultTolerance__ecrec__commit=commit)
+    report = run_local(ctx, tmp_path, progress=False, fault=f"server-1:{point}@15!stop")
     assert report["fault"]["fired"]
     assert_consistent(report)
     assert report["params_sha256"] == baseline
@@ -142,14 +155,19 @@ HOT = dict(
 )
 
 
+@pytest.mark.parametrize("commit", ["deltaLog", "rowLocks"])
 @pytest.mark.parametrize("kills", [[], [(2, 2.0)]])
-def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
-    report = run_local(make_ctx("hot", **HOT), tmp_path, progress=False, kills=kills)
+def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills, commit):
+    ctx = make_ctx("hot", **HOT, faultTolerance__ecrec__commit=commit)
+    report = run_local(ctx, tmp_path, progress=False, kills=kills)
     assert_consistent(report)
     assert report["samples"] == 4 * 40 * 256
     assert len(report["recoveries"]) == len(kills)
-    if not kills:  # every step stages, delivers deltas, commits: the worker sends all of them
-        served = report["rpcs_served"]
+    served = report["rpcs_served"]
+    if not kills and commit == "deltaLog":  # every step stages and delivers: two messages per server
+        assert min(served.get(m, 0) for m in ("Stage", "DeliverDeltas")) >= 4 * 40, served
+        assert not {"Commit", "StageDeltas", "DecideMany", "Push"} & set(served), served
+    if not kills and commit == "rowLocks":  # every step stages, delivers deltas, commits
         assert min(served.get(m, 0) for m in ("Stage", "StageDeltas", "Commit")) >= 4 * 40, served
         # Decisions ride on the next stage at the same server; they go alone (DecideMany) only to servers a
         # pass does not stage at, and at the end: each worker's last step's decisions had no stage to ride on.
@@ -157,15 +175,21 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills):
         assert not {"Push", "Delta"} & set(served), served  # no server-to-server difference propagation
 
 
-def two_workers(name: str):
+def two_workers(name: str, commit: str):
     """HOT with 2 workers of 60 steps; staged updates of a lost worker are settled after 3 s."""
-    overrides = {"workers__replicas": 2, "training__steps": 60, "faultTolerance__ecrec__txnTimeoutSeconds": 3}
+    overrides = {
+        "workers__replicas": 2,
+        "training__steps": 60,
+        "faultTolerance__ecrec__txnTimeoutSeconds": 3,
+        "faultTolerance__ecrec__commit": commit,
+    }
     return make_ctx(name, **{**HOT, **overrides})
 
 
-def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tmp_path):
-    ctx = two_workers("lost-worker")
-    report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:mid_commit@20")
+@pytest.mark.parametrize("commit, point", [("rowLocks", "mid_commit"), ("deltaLog", "after_stage")])
+def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tmp_path, commit, point):
+    ctx = two_workers("lost-worker", commit)
+    report = run_local(ctx, tmp_path, progress=False, fault=f"worker-1:worker:{point}@20")
     assert report["fault"]["fired"]
     kinds = [e["kind"] for e in report["events"]]
     assert "worker_lost" in kinds and "worker_replaced" in kinds and "training_finished" in kinds
@@ -174,18 +198,30 @@ def test_killed_worker_is_replaced_resumes_its_rank_and_leaves_nothing_staged(tm
     assert_consistent(report)  # what it left staged was settled: aborted, or committed where decided
 
 
-@pytest.mark.parametrize("point", ["after_stage", "before_commit"])
+@pytest.mark.parametrize(
+    "commit, point",
+    [
+        ("rowLocks", "after_stage"),
+        ("rowLocks", "before_commit"),
+        ("deltaLog", "after_stage"),
+        ("deltaLog", "after_deliver"),
+    ],
+)
 def test_a_killed_workers_staged_rows_are_released_when_it_is_known_gone_not_after_txn_timeout(
-    point, tmp_path
+    commit, point, tmp_path
 ):
-    # Killed with its parts staged on every server (and, before_commit, their deltas at the parity servers);
-    # hot rows are in every batch, so the other worker needs them at once. The supervisor reports the death,
-    # the coordinator's heartbeats tell the servers, and they abort the dead process's parts: the job goes
-    # on. With a 120 s txnTimeout, left to the timeout the other worker would have waited on those rows until
-    # its progress timeout failed the job.
+    # rowLocks: killed with its parts staged on every server (and, before_commit, their deltas at the parity
+    # servers); hot rows are in every batch, so the other worker needs them at once. The supervisor reports
+    # the death, the coordinator's heartbeats tell the servers, and they abort the dead process's parts: the
+    # job goes on. With a 120 s txnTimeout, left to the timeout the other worker would have waited on those
+    # rows until its progress timeout failed the job. deltaLog: killed with its parts applied on every server
+    # and their deltas not delivered (after_stage) or delivered and not acknowledged (after_deliver): the
+    # other worker's deltas of the same hot rows wait at the parity servers for the dead one's, which the
+    # data servers forward themselves as soon as they know the worker is gone.
     ctx = make_ctx(
         "gone-worker",
         **{**HOT, "workers__replicas": 2, "training__steps": 60},
+        faultTolerance__ecrec__commit=commit,
         faultTolerance__ecrec__txnTimeoutSeconds=120,
         coordinator__progressTimeoutSeconds=60,
     )
@@ -331,7 +367,7 @@ def test_a_kill_the_job_finished_before_is_reported_as_missed(tmp_path):
 def test_a_hung_worker_is_found_out_by_its_silence_replaced_and_its_rank_resumed(tmp_path):
     # The worker SIGSTOPs itself mid-update: its process is there, its reports stop. The coordinator declares
     # it unresponsive after the failure timeout, the supervisor kills it and a replacement resumes the rank.
-    ctx = two_workers("hung-worker")
+    ctx = two_workers("hung-worker", "deltaLog")
     report = run_local(ctx, tmp_path, progress=False, fault="worker-1:worker:after_stage@20!stop")
     assert report["fault"]["fired"]
     kinds = [e["kind"] for e in report["events"]]

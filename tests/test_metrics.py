@@ -118,7 +118,7 @@ def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(t
     assert value(c, "ecrec_degraded_writes_total", shard="2") > 0
     assert value(c, "ecrec_degraded_reads_total", shard="0") == 0
     methods = {x.labels["method"] for x in samples(c, "ecrec_job_rpc_latency_seconds")}
-    assert {"Pull", "Stage", "StageDeltas", "Commit", "DegradedPull"} <= methods, methods
+    assert {"Pull", "Stage", "DeliverDeltas", "DegradedPull"} <= methods, methods
     assert value(c, "ecrec_job_rpc_latency_seconds_count", method="Stage") > 0
     # One Recover call per lock group and one for the dense replicas (more if a step had to be retried).
     assert value(c, "ecrec_rpc_latency_seconds_count", method="Recover") >= groups + 1

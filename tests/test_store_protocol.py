@@ -43,6 +43,8 @@ Update = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def ecrec_ctx(name: str = "netsim", **extra) -> JobContext:
+    # netsim's Worker drives the two-phase commit (rowLocks); deltaLog's steps are tests/test_delta_log.py's
+    extra.setdefault("faultTolerance__ecrec__commit", "rowLocks")
     return make_ctx(
         name, faultTolerance__strategy="ecrec", servers__replicas=N, faultTolerance__ecrec__k=K, **extra
     )

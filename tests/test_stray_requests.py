@@ -54,8 +54,11 @@ def snapshot(epoch: int, states: dict[int, str] | None = None, instances: dict[i
 class Served:
     """One server (shard `shard`) of a 5-server ECRec job, served over gRPC; the other shards are not running."""
 
-    def __init__(self, shard: int = 1, epoch: int = 3, replacement: bool = False, states=None):
-        self.ctx = ecrec_ctx()
+    def __init__(
+        self, shard: int = 1, epoch: int = 3, replacement: bool = False, states=None, commit: str = "rowLocks"
+    ):
+        # rowLocks by default: most tests here send the two-phase commit's messages
+        self.ctx = ecrec_ctx(faultTolerance__ecrec__commit=commit)
         self.store = ShardStore(self.ctx, shard, replacement=replacement, wait_timeout=5.0)
         view = ClusterView(snapshot=snapshot(epoch, states, {shard: "me"}))
         self.servicer = ParameterServicer(
@@ -260,6 +263,62 @@ def test_deltas_only_from_shards_whose_parity_this_server_holds(served):
         ),
         grpc.StatusCode.FAILED_PRECONDITION,
     )
+
+
+def test_delta_log_refuses_malformed_deliveries_and_the_other_commits_messages():
+    s = Served(commit="deltaLog")
+    try:
+        p, w = s.ctx.placement, s.ctx.record_width
+        shards, _locs, _present = p.stripe_members(1, torch.tensor([0]))
+        src, slot = int(shards[0, 0]), 0
+        wrong = next(x for x in range(N) if x != 1 and x != src)
+
+        def batch(src_, slot_, index=0, version=1):
+            return pb.DeltaRequest(
+                txn=f"w0-1/{src_}.-1.0",
+                src=src_,
+                index=ids_to_bytes(torch.tensor([index])),
+                slot=ids_to_bytes(torch.tensor([slot_])),
+                delta=floats_to_bytes(torch.ones(1, w)),
+                version=ids_to_bytes(torch.tensor([version])),
+                parity_server=1,
+            )
+
+        def deliver(*batches, delivered=()):
+            return s.stub.DeliverDeltas(
+                pb.StageDeltasRequest(epoch=s.epoch, batches=list(batches), delivered=list(delivered))
+            )
+
+        before = state_of(s.store)
+        for b, needle in [
+            (batch(wrong, slot), "not parity records"),
+            (batch(src, slot, index=10**6), "out of range"),
+            (batch(src, 7), "slot"),
+            (batch(src, slot, version=0), "version"),
+        ]:
+            # one bad batch refuses the whole message: the good one beside it is not applied either
+            refused(lambda b=b: deliver(batch(src, slot), b), grpc.StatusCode.INVALID_ARGUMENT, needle)
+        refused(lambda: deliver(delivered=[f"w0-1/{wrong}.-1.0"]), grpc.StatusCode.INVALID_ARGUMENT, "txn")
+        refused(
+            lambda: s.stub.StageDeltas(pb.StageDeltasRequest(epoch=s.epoch, batches=[batch(src, slot)])),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "DeliverDeltas",
+        )
+        g = ids_to_bytes(s.ids(1))
+        decision = pb.DeltaDecision(txn=f"w0-1/{src}.-1.0", src=src, commit=True)
+        stage = pb.StageRequest(
+            epoch=s.epoch, txn="w0-1/1.-1.0", ids=g, grads=floats_to_bytes(torch.ones(1, s.ctx.dim)), src=-1
+        )
+        stage.decisions.append(decision)
+        refused(lambda: s.stub.Stage(stage), grpc.StatusCode.INVALID_ARGUMENT, "decisions")
+        assert_same(state_of(s.store), before)
+        # A well-formed delivery is applied at once (nothing waits for a decision), and only once.
+        for _ in range(2):
+            assert list(deliver(batch(src, slot)).refused) == []
+        assert int(s.store.parity.pver[0, slot]) == 1
+        assert not torch.equal(s.store.parity.parity[0], before[2][0]) and s.store.staged_count() == 0
+    finally:
+        s.close()
 
 
 def test_out_of_range_shards_and_chunks_are_invalid_argument_not_unknown(served):

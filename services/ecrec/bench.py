@@ -278,6 +278,7 @@ TRAINING_RPCS = (
     "PushDense",
     "Stage",
     "StageDeltas",
+    "DeliverDeltas",
     "Commit",
     "DecideMany",
     "Abort",

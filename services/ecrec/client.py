@@ -25,6 +25,7 @@ import torch
 from ecrec import auth
 from ecrec.coordinator.client import CoordinatorClient
 from ecrec.core.update import MapView
+from ecrec.delivery import DeltaLogDriver
 from ecrec.evaluation import auc, logloss
 from ecrec.grpcopts import GRPC_OPTIONS
 from ecrec.jobctx import JobContext
@@ -83,7 +84,8 @@ class PSClient:
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         # Enough threads for the training thread's pulls and the update thread's fan-out at once.
         self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
-        self.updates = UpdateDriver(self)  # before the first map: adopting one may flush its decisions
+        # before the first map: adopting one may flush its decisions
+        self.updates = DeltaLogDriver(self) if _delta_log(ctx) else UpdateDriver(self)
         self.update_cluster(cluster)
 
     @classmethod
@@ -358,6 +360,11 @@ class PSClient:
     def flush_decisions(self) -> None:
         """Send every commit decision still queued for a parity server (UpdateDriver.flush_decisions)."""
         self.updates.flush_decisions()
+
+
+def _delta_log(ctx: JobContext) -> bool:
+    ft = ctx.spec.fault_tolerance
+    return ft.strategy == "ecrec" and ft.ecrec.two_phase_commit and ft.ecrec.commit == "deltaLog"
 
 
 def evaluate(client: PSClient, batches: Iterable, device: str = "cpu") -> dict:

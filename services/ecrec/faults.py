@@ -8,7 +8,7 @@ respawned replacement does not kill itself again. Unset, a fault point costs one
 
 Points (docs/protocol.md): on a server stage:after_local, commit:after_apply, delta:after_stage,
 decide:after_apply, acting:after_stage, recover:mid_group, recover:after_group; on a worker
-worker:after_stage, worker:before_commit, worker:mid_commit, worker:before_decide; on the coordinator
+worker:after_stage, worker:before_commit, worker:mid_commit, worker:before_decide, worker:after_deliver; on the coordinator
 (process `coordinator`) coordinator:server_registered (a server admitted, before the answer),
 coordinator:recovery_started, coordinator:recovered_{dense,data,parity} (after each
 Recover step of that kind), coordinator:recovery_completed.
@@ -31,6 +31,7 @@ POINTS = (
     "worker:before_commit",
     "worker:mid_commit",
     "worker:before_decide",
+    "worker:after_deliver",
     "coordinator:server_registered",
     "coordinator:recovery_started",
     "coordinator:recovered_dense",

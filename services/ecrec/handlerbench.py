@@ -30,6 +30,10 @@ CASES = [
     ("No FT", ["faultTolerance.strategy=none"]),
     ("ECRec k=2", ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=2"]),
     ("ECRec k=4", ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4"]),
+    (
+        "ECRec k=4 rowLocks",
+        ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4", "faultTolerance.ecrec.commit=rowLocks"],
+    ),
 ]
 WARMUP = 10
 

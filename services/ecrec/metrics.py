@@ -367,8 +367,9 @@ class StoreCollector:
             yield c
         c = CounterMetricFamily(
             "ecrec_server_parts_expired",
-            "Staged parts aborted because their worker never decided them, by how its death was known: "
-            "worker_gone (the coordinator said its process is gone) or timeout (txnTimeoutSeconds passed)",
+            "Parts whose worker never finished them, settled by this server (rowLocks: aborted; deltaLog: "
+            "their deltas forwarded to the parity servers), by how its death was known: worker_gone (the "
+            "coordinator said its process is gone) or timeout (txnTimeoutSeconds passed)",
             labels=[*names, "reason"],
         )
         if store is not None:

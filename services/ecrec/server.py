@@ -35,7 +35,17 @@ from ecrec.metrics import Metrics, StoreCollector
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.serverlink import ClusterView, CoordinatorLink, wait_as_spare
-from ecrec.store import CALLER, Busy, Caller, Cancelled, NotOwner, PeerFailed, ReadResult, ShardStore
+from ecrec.store import (
+    CALLER,
+    Busy,
+    Caller,
+    Cancelled,
+    NotOwner,
+    PeerFailed,
+    ReadResult,
+    ShardStore,
+    Staged,
+)
 from ecrec.streams import StreamEndpoint
 from ecrec.wire import (
     InvalidRequest,
@@ -183,6 +193,7 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
         version=ids_to_bytes(b.version),
         immediate=immediate,
         parity_server=b.parity_server,
+        incarnation=b.incarnation,
     )
 
 
@@ -385,10 +396,20 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
-        decisions = self._decisions(request.decisions)
-        staged = self.store.stage(
-            request.txn, g, grads, request.src, dense, request.epoch, decisions, request.lone
-        )
+        if self.store.logged:  # commit: deltaLog — applied now; the deltas are the worker's to deliver
+            if request.decisions:
+                raise InvalidRequest("decisions: commit decisions belong to commit: rowLocks")
+            delivered = [self._own_txn(t, -1) for t in request.delivered]
+            staged = Staged(
+                *self.store.apply_part(request.txn, g, grads, request.src, dense, request.epoch, delivered)
+            )
+        else:
+            if request.delivered:
+                raise InvalidRequest("delivered: deliveries are acknowledged under commit: deltaLog only")
+            decisions = self._decisions(request.decisions)
+            staged = self.store.stage(
+                request.txn, g, grads, request.src, dense, request.epoch, decisions, request.lone
+            )
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
         if request.src != -1:  # rows of failed shard src, written at this acting home
             self.metrics.of(self.metrics.degraded_writes, shard=str(request.src)).inc(staged.rows)
@@ -420,11 +441,23 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             )
         # Placement is checked by the store (stage_deltas), once for every batch of the message.
         return DeltaBatch(
-            self.store.shard, request.txn, request.src, index.clone(), slot.clone(), delta, version.clone()
+            self.store.shard,
+            request.txn,
+            request.src,
+            index.clone(),
+            slot.clone(),
+            delta,
+            version.clone(),
+            request.incarnation,
         )
 
     @rpc("Delta", check_epoch=False)
     def Delta(self, request, context):
+        if self.store.logged and request.immediate:
+            # a data server forwarding a part its worker did not deliver (LoggedUpdates.forward_due)
+            self._decision(request.txn, request.src)
+            self.store.receive_deltas(self._batch(request), immediate=True)
+            return pb.TxnResponse(outcome="applied")
         if self._two_pc() or not request.immediate:
             raise WrongState(
                 "Delta is the data server's message without 2PC; staged deltas come in StageDeltas"
@@ -432,10 +465,29 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self.store.receive_deltas(self._batch(request), request.immediate)
         return pb.TxnResponse(outcome="staged" if not request.immediate else "applied")
 
+    @rpc("DeliverDeltas")
+    def DeliverDeltas(self, request, context):
+        if not self.store.logged:
+            raise WrongState("DeliverDeltas is part of commit: deltaLog, which this job does not run")
+        for b in request.batches:
+            self._decision(b.txn, b.src)  # a part of data server src's own rows
+        batches = [self._batch(b) for b in request.batches]  # all validated before any is applied
+        delivered = [self._own_txn(t, -1) for t in request.delivered]
+        refused = self.store.deliver(batches, delivered=delivered)
+        m = self.metrics
+        m.of(m.rows, kind="delta").inc(sum(b.index.numel() for b in batches))
+        return pb.DeliverResponse(
+            refused=[pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
+        )
+
     @rpc("StageDeltas")
     def StageDeltas(self, request, context):
+        if self.store.logged:
+            raise WrongState("StageDeltas is part of commit: rowLocks; this job delivers with DeliverDeltas")
         if not self._two_pc():
             raise WrongState("StageDeltas is part of the two-phase commit, which this job does not run")
+        if request.delivered:
+            raise InvalidRequest("delivered: acknowledgements ride on DeliverDeltas (commit: deltaLog)")
         for b in request.batches:
             self._decision(b.txn, b.src)  # a part of data server src's own rows
             if b.immediate:

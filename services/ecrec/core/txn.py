@@ -50,6 +50,7 @@ class DeltaBatch:
     slot: torch.Tensor  # stripe slot of each row [n]
     delta: torch.Tensor  # [n, W]
     version: torch.Tensor  # the rows' versions once committed [n]
+    incarnation: int = 0  # commit: deltaLog: the incarnation of src that applied the rows (0: not said)
 
 
 class RowLocks:
@@ -245,6 +246,20 @@ class ParityParticipant:
         """One id per (parity record, stripe slot): a member row of this server's stripes."""
         return b.index * self.placement.k + b.slot
 
+    def unreflected(self, b: DeltaBatch) -> torch.Tensor:
+        """Rows of a delivered batch the record does not reflect yet (held for a predecessor): a mask. Rows
+        whose record is being rebuilt count as reflected — the rebuild replays them (`install`)."""
+        behind = self.pver.view(-1).index_select(0, self._key(b)) < b.version
+        return behind & self.ready.index_select(0, b.index)
+
+    def drop_held(self, src: int) -> list[DeltaBatch]:
+        """Forget the held rows of data server `src` (it failed or was replaced: the predecessors they wait for
+        will be refused, so they can never apply). Returns what was dropped."""
+        dropped = [h for h in self.held if h.src == src]
+        if dropped:
+            self.held = [h for h in self.held if h.src != src]
+        return dropped
+
     def proves_commit(self, txn: str, src: int, exclude: Collection[str] = ()) -> bool:
         """Do deltas here prove that data server `src` committed the undecided part (txn, src)? They do if
         one of its rows has a delta from `src` at a higher version, staged or held: a data server stages a
@@ -413,5 +428,12 @@ class ParityParticipant:
 def _rows(b: DeltaBatch, mask: torch.Tensor) -> DeltaBatch:
     """The rows of a batch selected by a boolean mask."""
     return DeltaBatch(
-        b.parity_server, b.txn, b.src, b.index[mask], b.slot[mask], b.delta[mask], b.version[mask]
+        b.parity_server,
+        b.txn,
+        b.src,
+        b.index[mask],
+        b.slot[mask],
+        b.delta[mask],
+        b.version[mask],
+        b.incarnation,
     )

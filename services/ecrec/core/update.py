@@ -131,6 +131,7 @@ class StepUpdate:
         placement: Placement,
         g: torch.Tensor,
         dense_holders: Sequence[Sequence[int]] = (),
+        stable_txns: bool = False,
     ):
         if "/" in step:
             raise ValueError(f"step id {step!r} must not contain '/': it separates the step in txn ids")
@@ -139,6 +140,10 @@ class StepUpdate:
         self.rows_done = torch.zeros(self.g.numel(), dtype=torch.bool)
         self.dense_done: list[set[tuple[int, int]]] = [set() for _ in self.dense_holders]
         self.attempt = 0
+        # commit: deltaLog applies a part when it is staged, so a retry must reach its server under the same
+        # txn (answered from the server's log, applied once): every pass then names its parts alike. (A
+        # replacement never saw the txn and applies it: the process that did is gone, and so is its copy.)
+        self.stable_txns = stable_txns
 
     def dense_todo(self, view: MapView) -> dict[int, list[int]]:
         """Live replicas of each chunk that do not hold this step's update in their current incarnation."""
@@ -174,13 +179,22 @@ class StepUpdate:
             for h in holders:
                 parts.setdefault((h, -1), Part(h, -1, empty)).dense.append(c)
         for part in parts.values():
-            part.txn = f"{self.step}/{part.target}.{part.src}.{attempt}"
             part.epoch, part.incarnation = view.epoch, view.incarnation(part.target)
+            part.txn = f"{self.step}/{part.target}.{part.src}.{0 if self.stable_txns else attempt}"
         return sorted(parts.values(), key=lambda q: (q.target, q.src))
 
     def committed(self, part: Part) -> None:
         """The part's target committed it (or is committing it: the decision is taken)."""
         self.rows_done[part.pos] = True
+        for c in part.dense:
+            self.dense_done[c].add((part.target, part.incarnation))
+
+    def rows_applied(self, part: Part, mask: torch.Tensor) -> None:
+        """Some of the part's rows are applied (deltaLog: their deltas reached every live parity server)."""
+        self.rows_done[part.pos[mask]] = True
+
+    def dense_applied(self, part: Part) -> None:
+        """The part's dense chunks are applied at its target (deltaLog: when it is staged)."""
         for c in part.dense:
             self.dense_done[c].add((part.target, part.incarnation))
 

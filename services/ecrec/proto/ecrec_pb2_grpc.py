@@ -94,6 +94,11 @@ class ParameterServerStub:
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
                 response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
                 _registered_method=True)
+        self.DeliverDeltas = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/DeliverDeltas',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.DeliverResponse.FromString,
+                _registered_method=True)
         self.DecideMany = channel.unary_unary(
                 '/ecrec.v1.ParameterServer/DecideMany',
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DecisionsRequest.SerializeToString,
@@ -212,6 +217,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeliverDeltas(self, request, context):
+        """commit: deltaLog. Apply delivered deltas in version order; answers once they are applied (or refused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DecideMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -323,6 +335,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.StageDeltas,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.FromString,
                     response_serializer=ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.SerializeToString,
+            ),
+            'DeliverDeltas': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeliverDeltas,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.DeliverResponse.SerializeToString,
             ),
             'DecideMany': grpc.unary_unary_rpc_method_handler(
                     servicer.DecideMany,
@@ -689,6 +706,33 @@ class ParameterServer:
             '/ecrec.v1.ParameterServer/StageDeltas',
             ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
             ecrec_dot_proto_dot_ecrec__pb2.TxnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeliverDeltas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/DeliverDeltas',
+            ecrec_dot_proto_dot_ecrec__pb2.StageDeltasRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.DeliverResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -210,6 +210,13 @@ class EcrecSpec(_Section):
         description="Stage each update on the data and parity servers, then commit it, so a failure mid-update "
         "never leaves parity out of step; false only to measure what this costs",
     )
+    commit: Literal["deltaLog", "rowLocks"] = Field(
+        default="deltaLog",
+        description="How an update reaches data and parity together (with twoPhaseCommit). deltaLog: the data "
+        "server applies the update at once and keeps its deltas until the worker has delivered them to the "
+        "parity servers (it forwards them itself if the worker dies), so no row is locked across a round trip. "
+        "rowLocks: the paper's worker-coordinated two-phase commit, rows locked from stage to commit",
+    )
     replicate_dense: bool = Field(
         default=True,
         description="Keep two replicas of every dense-parameter (MLP) chunk on different servers, so a failed "

@@ -11,6 +11,7 @@ docstring gives the lock discipline every part follows):
 - `records`: reads of the shard's rows and dense chunks; updates without 2PC
 - `participant`: the data server's side of the 2PC (stage, commit, abort, outcome, wait-die, expiry)
 - `deltas`: the parity server's side (deltas staged and decided, settling what nobody decided)
+- `logged`: both sides under commit: deltaLog (applied at stage, deltas logged until delivered)
 - `recovery`: decoding (degraded reads, acting-home writes) and the rebuild of a replacement
 - `checkpoints`: snapshots for the checkpoint strategies, and their restore
 - `peers`: what a server needs from the others (`Peers`); anything remote goes through it, so the same
@@ -22,6 +23,7 @@ from __future__ import annotations
 from ecrec.core.stripes import ReadResult
 from ecrec.store.checkpoints import Checkpoints
 from ecrec.store.deltas import ParityDeltas
+from ecrec.store.logged import LoggedUpdates
 from ecrec.store.participant import Participant, Staged
 from ecrec.store.peers import NoPeers, PeerFailed, Peers
 from ecrec.store.records import Records
@@ -44,5 +46,5 @@ __all__ = [
 ]
 
 
-class ShardStore(Records, Participant, ParityDeltas, Recovery, Checkpoints):
+class ShardStore(Records, Participant, LoggedUpdates, ParityDeltas, Recovery, Checkpoints):
     """One server's tables and protocol state. Thread-safe (ecrec.store.state: one lock)."""

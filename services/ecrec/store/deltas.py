@@ -38,7 +38,11 @@ class ParityDeltas(StoreState):
         return out
 
     def receive_deltas(self, batch: DeltaBatch, immediate: bool) -> None:
-        """Deltas of another server's rows (from the worker, or from the data server without 2PC)."""
+        """Deltas of another server's rows (from the worker, or from the data server without 2PC, or from a
+        data server forwarding what its worker did not deliver under deltaLog)."""
+        if self.logged and immediate:
+            self.deliver([batch], wait=False)
+            return
         self.stage_deltas([batch], immediate)
 
     def check_deltas(self, b: DeltaBatch) -> None:

@@ -290,6 +290,12 @@ class Participant(StoreState):
                     self.stats[reasons[txn]] += 1
         for (txn, src), age in undecided:
             self._settle(txn, src, age)
+        if self.logged:
+            self.forward_due()
+            with self.lock:
+                for src in list(self.held_from):
+                    self._settle_src(src)
+            return stale
         if self.ctx.spec.fault_tolerance.ecrec.two_phase_commit:  # without 2PC deltas are never staged here
             with self.lock:
                 if self.parity.drop_orphans():

@@ -48,6 +48,8 @@ class Recovery(StoreState):
             raise InvalidRequest("index: parity indices out of range")
         with self.lock:
             if src >= 0:
+                if self.logged:
+                    self._settle_src(src)  # held deltas of a replaced incarnation never apply
                 self._wait(lambda: not self._undecided_from(src, index), f"deltas of shard {src}")
             return ReadResult(
                 self.parity.parity[index].clone(),

@@ -36,6 +36,7 @@ import torch
 
 from ecrec.core.acting import ActingHome
 from ecrec.core.codes import make_code
+from ecrec.core.deltalog import DeltaLog
 from ecrec.core.dense import DenseReplicas
 from ecrec.core.snapshots import ShardSnapshots
 from ecrec.core.txn import DataParticipant, ParityParticipant
@@ -155,6 +156,14 @@ class StoreState:
         self.parity_rebuilding = torch.zeros(n_par, dtype=torch.bool)
         self.dense_copying_in: set[int] = set()
         self.outcomes: OrderedDict[str, str] = OrderedDict()
+        # commit: deltaLog (ecrec.store.logged): parts applied here whose deltas the worker has not said it
+        # delivered; per data server, the incarnation whose held deltas this parity server keeps; rows of
+        # delivered batches dropped unapplied, by (txn, src), until their deliverer asks.
+        ec = ctx.spec.fault_tolerance
+        self.logged = ec.strategy == "ecrec" and ec.ecrec.two_phase_commit and ec.ecrec.commit == "deltaLog"
+        self.deltalog = DeltaLog()
+        self.held_from: dict[int, int] = {}
+        self.refused: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self.stats = {
             "degraded_rows": 0,
             "buffered": 0,

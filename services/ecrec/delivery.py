@@ -1,0 +1,213 @@
+"""The worker's side of commit: deltaLog (docs/protocol.md, "Update path"): one step's update in two rounds.
+
+(1) Stage every part at its data server (or, for a failed shard's rows, at their acting home): the server
+applies it at once and answers with the deltas for its parity servers; a degraded write is complete when it
+is answered. (2) Deliver the deltas, one message per parity server for all parts; a parity server answers
+once it has applied them, naming any rows it refused because their data server was declared failed or
+replaced first — those rows are written again on the next pass, as degraded writes. A part whose deltas
+all arrived is done; the worker's next stage at its data server says so (`delivered`), and the server
+forgets it. Nothing is locked across the two rounds; a retried part keeps its txn, so its server answers it
+from its log instead of applying it twice.
+
+`DeltaLogDriver` has the same face as ecrec.updater.UpdateDriver (`apply`, `flush_decisions`) and drives the
+same `Transport`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+import torch
+
+from ecrec.core.update import Part, StepUpdate
+from ecrec.faults import fault_point
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
+from ecrec.updater import Transport
+from ecrec.wire import bytes_to_ids, floats_to_bytes, ids_to_bytes
+
+
+class Acks:
+    """Parts whose deltas were delivered, by data server: they ride on the next stage there. Shared by the
+    update thread and whoever flushes; the lock is held for one operation only."""
+
+    def __init__(self) -> None:
+        self._by_server: dict[int, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, server: int, txn: str) -> None:
+        with self._lock:
+            self._by_server.setdefault(server, []).append(txn)
+
+    def take(self, server: int) -> list[str]:
+        with self._lock:
+            return self._by_server.pop(server, [])
+
+    def take_all(self) -> dict[int, list[str]]:
+        with self._lock:
+            out, self._by_server = self._by_server, {}
+            return out
+
+    def put_back(self, server: int, txns: list[str]) -> None:
+        if txns:
+            with self._lock:
+                self._by_server.setdefault(server, [])[:0] = txns
+
+
+class DeltaLogDriver:
+    """One worker's updates under commit: deltaLog (one step at a time: the worker keeps one in flight)."""
+
+    def __init__(self, client: Transport):
+        self.client, self.ctx = client, client.ctx
+        self.acks = Acks()
+
+    def apply(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
+        """Apply one step's update; returns when every row and dense chunk is applied exactly once."""
+        ctx = self.ctx
+        grads = grads.to("cpu", torch.float32)
+        dense_grad = dense_grad.to("cpu", torch.float32)
+        holders = [ctx.dense_holders(c) for c in range(ctx.num_servers)]
+        update = StepUpdate(step, ctx.placement, g, holders, stable_txns=True)
+        retries = Retries(f"update {step}", self.client.progress_timeout)
+        while True:
+            parts = update.plan(self.client.view())
+            if not parts:
+                return
+            errors: dict[int, grpc.RpcError] = {}
+            futs = []
+            for part in parts:
+                acks = self.acks.take(part.target)
+                futs.append((part, acks, self._send_stage(part, g, grads, dense_grad, acks)))
+            staged: list[tuple[Part, list]] = []
+            for part, acks, fut in futs:
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as e:
+                    if not self.client.failed(part.target):
+                        self.acks.put_back(part.target, acks)  # a dead server's log died with it
+                    retries.note(part.target, "Stage", e)
+                    if e.code() not in RETRYABLE:
+                        raise ServerUnavailable(part.target, e) from e
+                    if e.code() in UNREACHABLE:
+                        self.client.report_failure(part.target)
+                    else:
+                        errors[part.target] = e
+                    continue
+                if part.src >= 0:  # a degraded write: applied at its acting home, parity included
+                    update.committed(part)
+                    retries.progress()
+                    self.client.note_degraded("writes", part.src, part.pos.numel())
+                else:
+                    update.dense_applied(part)
+                    for d in resp.deltas:  # which incarnation applied it, as this worker's map says
+                        d.incarnation = part.incarnation
+                    staged.append((part, list(resp.deltas)))
+            fault_point("worker:after_stage")
+            if staged:
+                refused, undelivered = self._deliver(staged, errors)
+                for part, deltas in staged:
+                    if undelivered & {d.parity_server for d in deltas}:
+                        continue  # delivered again on the next pass (the stage is answered from the log)
+                    applied = self._applied(part, g, refused)
+                    update.rows_applied(part, applied)
+                    retries.progress()
+                    if bool(applied.all()):
+                        # Only then: a part retried at the same server (the worker's map lagging behind the
+                        # parity server's) must still be answered with its deltas.
+                        self.acks.add(part.target, part.txn)
+                if refused:
+                    self.client.refresh()  # a data server is failed or replaced: plan with the new map
+            fault_point("worker:after_deliver")
+            for server, e in errors.items():
+                self.client.recover_from(server, e)
+            if update.finished(self.client.view()):
+                return
+            retries.check()
+            time.sleep(retries.backoff())
+
+    def flush_decisions(self) -> None:
+        """Send the acknowledgements no stage will carry (the worker stops, or the map changed) on their own.
+        Best effort: one that never arrives only makes the data server forward the deltas itself after
+        txnTimeout, and the parity servers skip what they already hold."""
+        calls = []
+        for server, txns in self.acks.take_all().items():
+            if txns and not self.client.failed(server):
+                req = pb.StageDeltasRequest(epoch=self.client.epoch, delivered=txns)
+                calls.append(self.client.call(server, "DeliverDeltas", req))
+        for fut in calls:
+            try:
+                fut.result()
+            except grpc.RpcError:
+                pass  # see above
+
+    def _send_stage(self, part: Part, g, grads, dense_grad, acks: list[str]) -> Future:
+        ctx = self.ctx
+        rows = floats_to_bytes(grads[part.pos])
+        self.client.metrics.of(self.client.metrics.bytes_sent, kind="push").inc(len(rows))
+        req = pb.StageRequest(
+            epoch=part.epoch,
+            txn=part.txn,
+            ids=ids_to_bytes(g[part.pos]),
+            grads=rows,
+            src=part.src,
+            dense_chunks=part.dense,
+            dense_grads=[floats_to_bytes(dense_grad[slice(*ctx.dense_bounds[c])]) for c in part.dense],
+            delivered=acks,
+        )
+        return self.client.call(part.target, "Stage", req)
+
+    def _deliver(
+        self, staged: list[tuple[Part, list]], errors: dict
+    ) -> tuple[dict[tuple[str, int], torch.Tensor], set[int]]:
+        """DeliverDeltas to every live parity server at once. Returns the refused rows, by (txn, parity
+        server), and the live servers that did not answer (their parts are delivered again)."""
+        by_server: dict[int, list] = {}
+        for _part, deltas in staged:
+            for d in deltas:
+                by_server.setdefault(d.parity_server, []).append(d)
+        refused: dict[tuple[str, int], torch.Tensor] = {}
+        undelivered: set[int] = set()
+        for _try in range(3):
+            calls = []
+            for server, batches in by_server.items():
+                if self.client.failed(server):
+                    continue  # its parity is re-encoded from the data rows when it is rebuilt
+                for d in batches:
+                    self.client.metrics.of(self.client.metrics.bytes_sent, kind="delta").inc(len(d.delta))
+                req = pb.StageDeltasRequest(epoch=self.client.epoch, batches=batches)
+                calls.append((server, self.client.call(server, "DeliverDeltas", req)))
+            retry = {}
+            for server, fut in calls:
+                try:
+                    resp = fut.result()
+                except grpc.RpcError as e:
+                    if e.code() not in RETRYABLE:
+                        raise ServerUnavailable(server, e) from e
+                    if e.code() in UNREACHABLE:
+                        self.client.report_failure(server)
+                        if not self.client.failed(server):
+                            retry[server] = by_server[server]
+                    else:
+                        errors[server] = e
+                        undelivered.add(server)
+                    continue
+                for r in resp.refused:
+                    refused[(r.txn, server)] = bytes_to_ids(r.index)
+            if not retry:
+                return refused, undelivered
+            by_server = retry
+        return refused, undelivered | set(by_server)
+
+    def _applied(self, part: Part, g: torch.Tensor, refused: dict) -> torch.Tensor:
+        """Which of the part's rows are applied: all but those a parity server refused."""
+        mask = torch.ones(part.pos.numel(), dtype=torch.bool)
+        mine = [(server, idx) for (txn, server), idx in refused.items() if txn == part.txn]
+        if mine:
+            p = self.ctx.placement
+            pserver, pindex = p.parity_of(part.target, p.local_row(g[part.pos]))
+            for server, idx in mine:
+                mask &= ~((pserver == server) & torch.isin(pindex, idx))
+        return mask

@@ -1,0 +1,198 @@
+"""Updates under commit: deltaLog (docs/protocol.md, "Update path"): the data server applies a part when it
+is staged and logs its deltas; the worker delivers them to the parity servers, which apply each row's deltas
+in version order; the worker's next stage here acknowledges the delivery. Nothing is locked across a round
+trip, so workers that share hot rows never wait for each other's commits.
+
+Why it is safe (the cut a failure finds is consistent, and every update lands exactly once):
+- A data server that dies loses its rows; its stripes then reflect, per row, the updates whose deltas
+  reached the parity server before the failure was known there. From then on deltas of that incarnation are
+  refused (`deliver`): their rows are written again by their worker, as degraded writes at the acting home.
+  Held deltas of that incarnation (waiting for a predecessor that will now be refused) are dropped, and
+  their deliverer is told which rows (`refused`), so those are written again too.
+- A worker that dies before delivering leaves its parts in the data server's log; the server forwards them
+  itself once the worker is known gone or the txnTimeout passes (`forward_due`). A parity server skips a
+  delta its record already reflects, so a part delivered twice lands once.
+- Degraded writes apply at once at the acting home (stage and commit in one call); decodes read a
+  consistent cut by versions as they always did (a member ahead of its parity is read again).
+
+Lock discipline as in ecrec.store.state: public methods take `lock`; `deliver` waits under it for held
+rows; `forward_due` calls peers without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ecrec.core.txn import DeltaBatch
+from ecrec.core.update import step_of
+from ecrec.faults import fault_point
+from ecrec.store.peers import PeerFailed
+from ecrec.store.state import Busy, NotOwner, StoreState
+from ecrec.wire import InvalidRequest, check_finite
+
+REFUSED_KEPT = 4096  # (txn, src) whose dropped rows are remembered for their deliverer
+
+
+class LoggedUpdates(StoreState):
+    """The data and parity sides of deltaLog on one server."""
+
+    # -- data server ------------------------------------------------------------------------------------
+    def apply_part(
+        self,
+        txn: str,
+        g: torch.Tensor,
+        grads: torch.Tensor,
+        src: int = -1,
+        dense: dict[int, torch.Tensor] | None = None,
+        epoch: int = 0,
+        delivered: list[str] = (),
+    ) -> tuple[int, list[DeltaBatch]]:
+        """Apply a part (this server's rows, or a failed shard's at its acting home) and answer with the
+        deltas the worker must deliver. A retried part is answered from the log, applied once."""
+        src = self.shard if src < 0 else src
+        local = self.local_rows(g, src)
+        self._check_grads(grads, local.numel())
+        dense = dense or {}
+        for c, dg in dense.items():
+            if dg.shape != (self.chunk_len(c),):
+                raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
+            check_finite(dg, "dense_grads")
+        if delivered:
+            with self.lock:
+                self.deltalog.ack(delivered)
+        if src != self.shard:
+            return self._write_acting(txn, src, local, grads), []
+        self.ensure_rows(local)
+        with self.lock:
+            logged = self.deltalog.get(txn)
+            if logged is not None:
+                return logged.rows, list(logged.batches)
+            if txn in self.outcomes:  # applied and acknowledged (or forwarded): nothing left to deliver
+                return local.numel(), []
+            for c in dense:
+                if self.dense.stale(c, epoch):
+                    raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
+            if missing := self.dense.not_ready(dense):
+                raise Busy(f"dense chunk {missing} not copied yet")  # see Participant.stage
+            self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
+            # Only a recovery lock group locks rows under deltaLog: it finishes on its own.
+            self._wait(lambda: not self.rows.locks.busy(local, txn), "rows being rebuilt")
+            part = self.rows.stage(txn, local, grads, self.clock())
+            self.rows.commit(txn)
+            step = step_of(txn)
+            self.dense.stage(txn, step, dense)
+            self.dense.commit(txn, step)
+            # The worker stamps the deltas it delivers with this server's incarnation in its map; those
+            # this server forwards itself carry the one in its own (0 while it has none: not said).
+            incarnation = self._incarnation(self.shard)
+            for b in part.batches:
+                b.incarnation = incarnation
+            self.deltalog.add(txn, local.numel(), part.batches, self.clock())
+            self._remember(txn, "committed")
+            self.cond.notify_all()
+        fault_point("stage:after_local")
+        return local.numel(), list(part.batches)
+
+    def _write_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
+        """A degraded write, staged and committed in one call (this server is the rows' only writer)."""
+        with self.lock:
+            if self.outcomes.get(txn) == "committed":
+                return local.numel()  # a retry whose first answer was lost
+            self._settle_src(src)
+        n = self._stage_acting(txn, src, local, grads, lone=True)
+        if self.commit(txn) != "committed":
+            raise Busy(f"degraded write {txn} was not committed")
+        return n
+
+    def forward_due(self) -> int:
+        """Forward the deltas of logged parts whose worker is gone (or silent past txnTimeout) to their
+        parity servers; returns how many parts were forwarded. A parity server that failed needs nothing:
+        its records are re-encoded from the data rows when it is rebuilt."""
+        with self.lock:
+            gone = self.fence.fenced
+            txns = self.deltalog.due(self.clock(), self.txn_timeout, gone)
+            batches = [b for b in self.deltalog.batches(txns) if not self.peers.is_failed(b.parity_server)]
+        if not txns:
+            return 0
+        if batches:
+            errors = self.peers.deltas(batches, True, self.epoch)
+            if any(e is not None and not self.peers.confirm_failed(s) for s, e in errors.items()):
+                return 0  # a live parity server did not get them: the next expiry pass tries again
+        with self.lock:
+            self.deltalog.ack(txns)
+            for txn in txns:  # the parts-expired counters: what the server settled for a silent worker
+                self.stats["expired_worker_gone" if gone(txn) else "expired_timeout"] += 1
+        return len(txns)
+
+    # -- parity server ----------------------------------------------------------------------------------
+    def deliver(
+        self, batches: list[DeltaBatch], wait: bool = True, delivered: list[str] = ()
+    ) -> list[tuple[str, int, torch.Tensor]]:
+        """Apply delivered deltas in version order. With `wait`, answer once every row is applied, so the
+        worker may count them done: a row held for an earlier update waits for it (another worker delivers
+        it, or its data server forwards it). Returns (txn, src, parity indices) of rows refused: their data
+        server's incarnation is failed or replaced here, and their worker must write them again."""
+        for b in batches:
+            self.check_deltas(b)
+        refused: list[tuple[str, int, torch.Tensor]] = []
+        with self.lock:
+            self.deltalog.ack(delivered)
+            accepted = []
+            for b in batches:
+                self._settle_src(b.src)
+                if self._refuses(b):
+                    refused.append((b.txn, b.src, b.index))
+                else:
+                    self.parity.apply(b)
+                    accepted.append(b)
+            self.cond.notify_all()
+        fault_point("delta:after_stage")
+        with self.lock:
+            if not wait:
+                return refused
+
+            def applied() -> bool:  # every batch applied, or its held rows dropped (settled below)
+                return all(
+                    self._refuses(b) or (b.txn, b.src) in self.refused or not self.parity.unreflected(b).any()
+                    for b in accepted
+                )
+
+            self._wait(applied, "deltas held for an earlier update of their rows")
+            for b in accepted:
+                self._settle_src(b.src)
+                rows = self.refused.get((b.txn, b.src))
+                if rows is not None and rows.numel():
+                    refused.append((b.txn, b.src, rows))
+        return refused
+
+    def _incarnation(self, shard: int) -> int:
+        key = getattr(self.peers, "failure_key", None)
+        return int(key(shard)) if key is not None else 0
+
+    def _refuses(self, b: DeltaBatch) -> bool:
+        """Is the incarnation that applied `b` failed or replaced in this server's map? (Needs `lock`.)"""
+        if self.peers.is_failed(b.src):
+            return True
+        known = self._incarnation(b.src)  # 0: this server's map has not been needed yet (nothing changed)
+        return b.incarnation != 0 and known != 0 and b.incarnation != known
+
+    def _settle_src(self, src: int) -> None:
+        """Drop the held deltas of `src` once the incarnation that sent them is failed or replaced: the
+        predecessors they wait for will be refused. Their rows are remembered for their deliverers.
+        (Needs `lock`.)"""
+        now = -1 if self.peers.is_failed(src) else self._incarnation(src)
+        before = self.held_from.get(src, 0)
+        if now == 0 or before in (0, now):  # 0: not known yet (this server's map was never needed)
+            self.held_from[src] = now or before
+            return
+        self.held_from[src] = now
+        for h in self.parity.drop_held(src):
+            key = (h.txn, h.src)
+            prev = self.refused.get(key)
+            self.refused[key] = h.index if prev is None else torch.cat([prev, h.index])
+            while len(self.refused) > REFUSED_KEPT:
+                self.refused.popitem(last=False)
+        self.cond.notify_all()
+
+
+__all__ = ["LoggedUpdates", "PeerFailed"]

@@ -1,0 +1,211 @@
+"""commit: deltaLog step by step, in-process (tests/netsim.py's stores, no sockets): a part is applied when it
+is staged, its deltas reach the parity servers in any order and are applied in version order, and every
+failure leaves a consistent cut with each update applied exactly once (docs/protocol.md, "Update path").
+
+Each scenario is compared with a reference network that applied the same updates without any failure:
+bit-identical rows, versions and dense records, and parity exact (invariant I1).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ecrec.core.deltalog import DeltaLog
+from ecrec.core.txn import DeltaBatch
+from tests.conftest import make_ctx
+from tests.netsim import WORKER, Net, assert_same_model, logical_model, parity_check, wire_copy
+
+N, K = 5, 4
+S = 1  # the data server the scenarios update
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return make_ctx(
+        "deltalog", faultTolerance__strategy="ecrec", servers__replicas=N, faultTolerance__ecrec__k=K
+    )
+
+
+def rows(ctx, n: int = 12) -> torch.Tensor:
+    """Global ids of n rows of shard S, spread over every stripe slot (so over k parity servers)."""
+    return ctx.placement.global_id(S, torch.arange(n) * 3)
+
+
+def grads(ctx, g: torch.Tensor, seed: int) -> torch.Tensor:
+    return torch.randn(g.numel(), ctx.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def stage(net: Net, txn: str, g: torch.Tensor, gr: torch.Tensor, target: int = S, src: int = -1):
+    """A worker's stage: (rows, deltas as they come back over the wire)."""
+    n, batches = net.call(WORKER, target, "apply_part", txn, g, gr, src)
+    return n, [wire_copy(b, b.parity_server) for b in batches]
+
+
+def deliver(net: Net, batches: list[DeltaBatch], wait: bool = False) -> list:
+    """DeliverDeltas to every parity server of `batches`; the refused rows, (txn, src, index) each."""
+    out = []
+    for server in sorted({b.parity_server for b in batches}):
+        mine = [b for b in batches if b.parity_server == server]
+        out += net.call(WORKER, server, "deliver", mine, wait)
+    return out
+
+
+def write_again(net: Net, txn: str, g: torch.Tensor, gr: torch.Tensor, src: int = S) -> None:
+    """Rows of failed shard `src` written at their acting homes (degraded writes), as the worker does."""
+    p = net.ctx.placement
+    pserver, _ = p.parity_of(src, p.local_row(g))
+    for home in pserver.unique().tolist():
+        sel = pserver == home
+        net.call(
+            WORKER, home, "apply_part", txn.replace(f"/{src}.-1.", f"/{home}.{src}."), g[sel], gr[sel], src
+        )
+
+
+def reference(ctx, updates) -> Net:
+    """The same updates, staged and delivered one after the other without failures."""
+    ref = Net(ctx)
+    for txn, g, gr in updates:
+        deliver(ref, stage(ref, txn, g, gr)[1])
+    assert parity_check(ref)["mismatches"] == 0
+    return ref
+
+
+def rebuilt(net: Net, s: int = S) -> Net:
+    net.replace(s)
+    net.recover(s, lock_group_rows=64)
+    return net
+
+
+def assert_consistent(net: Net) -> None:
+    pc = parity_check(net)
+    assert pc["mismatches"] == 0 and pc["in_flight"] == 0, pc
+
+
+def test_the_log_acks_in_any_order_and_hands_out_due_parts_in_the_order_they_were_applied():
+    log = DeltaLog()
+    for i, t in enumerate(["w0-1/1.-1.0", "w1-1/1.-1.0", "w0-2/1.-1.0"]):
+        log.add(t, rows=3, batches=[], now=float(i))
+    assert log.ack(["w1-1/1.-1.0", "nope"]) == 1 and len(log) == 2
+    assert log.due(now=10.0, timeout=5.0) == ["w0-1/1.-1.0", "w0-2/1.-1.0"]
+    assert log.due(now=1.5, timeout=5.0, gone=lambda t: t.startswith("w0-2")) == ["w0-2/1.-1.0"]
+
+
+def test_a_stage_applies_at_once_and_a_retry_is_answered_from_the_log(ctx):
+    net, g = Net(ctx), rows(ctx)
+    gr = grads(ctx, g, 1)
+    n, first = stage(net, "w0-1/1.-1.0", g, gr)
+    local = ctx.placement.local_row(g)
+    assert n == g.numel() and bool((net[S].rows.versions[local] == 1).all())
+    before = net[S].rows.records[local].clone()
+    _, again = stage(net, "w0-1/1.-1.0", g, gr)  # the answer was lost: the worker asks again
+    assert torch.equal(net[S].rows.records[local], before) and bool((net[S].rows.versions[local] == 1).all())
+    assert [(b.parity_server, b.version.tolist()) for b in again] == [
+        (b.parity_server, b.version.tolist()) for b in first
+    ]
+    assert deliver(net, again) == [] and net[S].deltalog.get("w0-1/1.-1.0") is not None
+    net.call(WORKER, S, "apply_part", "w0-2/1.-1.0", g[:0], gr[:0], -1, None, 0, ["w0-1/1.-1.0"])
+    assert net[S].deltalog.get("w0-1/1.-1.0") is None  # acknowledged on the next stage: forgotten
+    assert_consistent(net)
+    assert_same_model(logical_model(net), logical_model(reference(ctx, [("w0-1/1.-1.0", g, gr)])))
+
+
+def test_deltas_delivered_out_of_order_wait_for_their_predecessor(ctx):
+    net, g = Net(ctx), rows(ctx)
+    a, b = grads(ctx, g, 1), grads(ctx, g, 2)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)  # worker 0 stages first: versions 1
+    _, db = stage(net, "w1-1/1.-1.0", g, b)  # worker 1 second: versions 2, built on worker 0's update
+    answers: list = []
+    t = threading.Thread(target=lambda: answers.append(deliver(net, db, wait=True)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "worker 1's deltas were answered before worker 0's, which they build on, arrived"
+    assert parity_check(net)["in_flight"] > 0
+    assert deliver(net, da, wait=True) == []
+    t.join(timeout=5)
+    assert answers == [[]]
+    assert_consistent(net)
+    want = reference(ctx, [("w0-1/1.-1.0", g, a), ("w1-1/1.-1.0", g, b)])
+    assert_same_model(logical_model(net), logical_model(want))
+
+
+def test_a_data_server_dead_before_delivery_has_its_rows_written_again_once(ctx):
+    net, g = Net(ctx), rows(ctx)
+    a = grads(ctx, g, 1)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)
+    net.kill(S)  # its applied rows die with it; its deltas are in the worker's hands
+    refused = deliver(net, da, wait=True)
+    assert sum(r[2].numel() for r in refused) == g.numel()  # every row: the shard is failed everywhere
+    write_again(net, "w0-1/1.-1.0", g, a)
+    assert_same_model(logical_model(rebuilt(net)), logical_model(reference(ctx, [("w0-1/1.-1.0", g, a)])))
+    assert_consistent(net)
+
+
+def test_deltas_delivered_before_the_failure_count_and_are_not_written_twice(ctx):
+    net, g = Net(ctx), rows(ctx)
+    a = grads(ctx, g, 1)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)
+    first = da[0].parity_server
+    assert deliver(net, [b for b in da if b.parity_server == first]) == []  # one parity server got them
+    net.kill(S)
+    refused = deliver(net, [b for b in da if b.parity_server != first], wait=True)
+    p = ctx.placement
+    pserver, pindex = p.parity_of(S, p.local_row(g))
+    again = torch.zeros(g.numel(), dtype=torch.bool)
+    for _txn, _src, index in refused:
+        again |= torch.isin(pindex, index) & (pserver != first)
+    assert not bool(again[pserver == first].any()) and bool(again[pserver != first].all())
+    write_again(net, "w0-1/1.-1.0", g[again], a[again])
+    assert_same_model(logical_model(rebuilt(net)), logical_model(reference(ctx, [("w0-1/1.-1.0", g, a)])))
+
+
+def test_held_deltas_of_a_server_that_fails_are_refused_to_their_deliverer(ctx):
+    # Worker 1's update builds on worker 0's; worker 1 delivers first (held), then the data server dies and
+    # worker 0's delivery is refused. Worker 1 must learn its held rows were dropped, or its update is lost.
+    net, g = Net(ctx), rows(ctx)
+    a, b = grads(ctx, g, 1), grads(ctx, g, 2)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)
+    _, db = stage(net, "w1-1/1.-1.0", g, b)
+    assert deliver(net, db) == []  # held, not applied
+    net.kill(S)
+    assert sum(r[2].numel() for r in deliver(net, da, wait=True)) == g.numel()
+    held = deliver(net, db, wait=True)  # what worker 1's waiting delivery answers once the failure is known
+    assert sum(r[2].numel() for r in held) == g.numel()
+    write_again(net, "w0-1/1.-1.0", g, a)
+    write_again(net, "w1-1/1.-1.0", g, b)
+    want = reference(ctx, [("w0-1/1.-1.0", g, a), ("w1-1/1.-1.0", g, b)])
+    assert_same_model(logical_model(rebuilt(net)), logical_model(want))
+    assert_consistent(net)
+
+
+def test_deltas_of_a_replaced_incarnation_are_refused(ctx):
+    net, g = Net(ctx), rows(ctx)
+    a = grads(ctx, g, 1)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)  # stamped with incarnation 1
+    net.kill(S)
+    net.replace(S)  # incarnation 2 registered: S is no longer failed
+    net.recover(S, lock_group_rows=64)
+    assert sum(r[2].numel() for r in deliver(net, da, wait=True)) == g.numel()
+    stage_n, again = stage(net, "w0-1/1.-1.0", g, a)  # the replacement never saw the txn: applied once
+    assert stage_n == g.numel() and deliver(net, again) == []
+    assert_same_model(logical_model(net), logical_model(reference(ctx, [("w0-1/1.-1.0", g, a)])))
+    assert_consistent(net)
+
+
+@pytest.mark.parametrize("how", ["worker_gone", "timeout"])
+def test_a_silent_workers_parts_are_forwarded_by_their_data_server(ctx, how):
+    net, g = Net(ctx), rows(ctx)
+    a = grads(ctx, g, 1)
+    stage(net, "w1-1/1.-1.0", g, a)  # worker 1 dies before delivering
+    assert parity_check(net)["in_flight"] > 0
+    if how == "worker_gone":
+        net[S].fence_workers({1: 1})  # the coordinator says its process is gone
+    else:
+        net.clock.advance(net.txn_timeout + 1)
+    net[S].expire()
+    assert net[S].stats[f"expired_{how}"] == 1 and len(net[S].deltalog) == 0
+    assert_consistent(net)
+    assert_same_model(logical_model(net), logical_model(reference(ctx, [("w1-1/1.-1.0", g, a)])))
