@@ -65,7 +65,7 @@ def test_bench_handlers_drives_real_steps_through_every_handler(tmp_path):
     assert "Push" not in calls["ECRec k=4 rowLocks"]
     assert all(r["handlers_ms"] > 0 and r["client_ms"] >= 0 for r in rows)
     written = json.loads((tmp_path / "summary.json").read_text())
-    assert [w["configuration"] for w in written] == ["No FT", "ECRec k=2", "ECRec k=4"]
+    assert [w["configuration"] for w in written] == list(by_case)
 
 
 def test_load_balance_is_the_most_loaded_server_over_the_mean():

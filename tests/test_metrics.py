@@ -82,6 +82,16 @@ def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(t
             lambda: [w["loss"] is not None for w in workers()] == [True] * 2,
             60,
         )
+
+        # Workers report their degraded reads and writes with their progress, which may come after the
+        # recovery: wait for the reports (bounded), then scrape.
+        def degraded_reported() -> bool:
+            fams = families(httpx.get(f"{job.coordinator}/metrics", timeout=10).text)
+            return all(
+                value(fams, f"ecrec_degraded_{kind}_total", shard="2") > 0 for kind in ("reads", "writes")
+            )
+
+        job.wait("the workers' reports of degraded reads and writes", degraded_reported, 60)
         coord_text = httpx.get(f"{job.coordinator}/metrics", timeout=10).text
         cluster = httpx.get(f"{job.coordinator}/v1/cluster", timeout=10).json()
         server_text = httpx.get(cluster["shards"][2]["metricsUrl"], timeout=10).text  # the rebuilt one

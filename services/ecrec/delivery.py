@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 
 import grpc
@@ -28,6 +29,10 @@ from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
 from ecrec.updater import Transport
 from ecrec.wire import bytes_to_ids, floats_to_bytes, ids_to_bytes
+
+# How long the first wave waits for the stages before delivering what has answered (see DeltaLogDriver.apply):
+# far longer than a stage takes in normal operation, so a step still delivers in one message per server.
+STAGE_WAVE = 0.25
 
 
 class Acks:
@@ -81,52 +86,80 @@ class DeltaLogDriver:
             for part in parts:
                 acks = self.acks.take(part.target)
                 futs.append((part, acks, self._send_stage(part, g, grads, dense_grad, acks)))
-            staged: list[tuple[Part, list]] = []
-            for part, acks, fut in futs:
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as e:
-                    if not self.client.failed(part.target):
-                        self.acks.put_back(part.target, acks)  # a dead server's log died with it
-                    retries.note(part.target, "Stage", e)
-                    if e.code() not in RETRYABLE:
-                        raise ServerUnavailable(part.target, e) from e
-                    if e.code() in UNREACHABLE:
-                        self.client.report_failure(part.target)
-                    else:
-                        errors[part.target] = e
-                    continue
-                if part.src >= 0:  # a degraded write: applied at its acting home, parity included
-                    update.committed(part)
-                    retries.progress()
-                    self.client.note_degraded("writes", part.src, part.pos.numel())
-                else:
-                    update.dense_applied(part)
-                    for d in resp.deltas:  # which incarnation applied it, as this worker's map says
-                        d.incarnation = part.incarnation
-                    staged.append((part, list(resp.deltas)))
-            fault_point("worker:after_stage")
-            if staged:
-                refused, undelivered = self._deliver(staged, errors)
-                for part, deltas in staged:
-                    if undelivered & {d.parity_server for d in deltas}:
-                        continue  # delivered again on the next pass (the stage is answered from the log)
-                    applied = self._applied(part, g, refused)
-                    update.rows_applied(part, applied)
-                    retries.progress()
-                    if bool(applied.all()):
-                        # Only then: a part retried at the same server (the worker's map lagging behind the
-                        # parity server's) must still be answered with its deltas.
-                        self.acks.add(part.target, part.txn)
-                if refused:
-                    self.client.refresh()  # a data server is failed or replaced: plan with the new map
+            unreachable: set[int] = set()
+            # Deliver in waves: what has answered within STAGE_WAVE goes out together, the rest as each
+            # answers. A stage can wait for stripes to be decodable (a replacement rebuilding its rows on
+            # demand, a degraded write), and this worker's own applied parts, until delivered, are exactly
+            # what keeps them from being so.
+            waiting = futs
+            first = True
+            while waiting:
+                done, _ = futures.wait(
+                    [f for _p, _a, f in waiting],
+                    timeout=STAGE_WAVE if first else None,
+                    return_when=futures.ALL_COMPLETED if first else futures.FIRST_COMPLETED,
+                )
+                first = False
+                ready = [w for w in waiting if w[2] in done]
+                waiting = [w for w in waiting if w[2] not in done]
+                staged = self._staged(ready, update, retries, errors, unreachable)
+                if staged:
+                    self._deliver_wave(staged, g, update, retries, errors)
             fault_point("worker:after_deliver")
+            # Only now: the coordinator's probe of an unreachable server takes a while, and until the
+            # deltas above arrive, their stripes cannot be decoded by anyone (degraded reads, rebuilds).
+            for server in sorted(unreachable):
+                self.client.report_failure(server)
             for server, e in errors.items():
                 self.client.recover_from(server, e)
             if update.finished(self.client.view()):
                 return
             retries.check()
             time.sleep(retries.backoff())
+
+    def _staged(self, answered, update: StepUpdate, retries: Retries, errors: dict, unreachable: set) -> list:
+        """Take the stages' answers: degraded writes are done; own parts' deltas are returned to deliver."""
+        staged: list[tuple[Part, list]] = []
+        for part, acks, fut in answered:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as e:
+                if not self.client.failed(part.target):
+                    self.acks.put_back(part.target, acks)  # a dead server's log died with it
+                retries.note(part.target, "Stage", e)
+                if e.code() not in RETRYABLE:
+                    raise ServerUnavailable(part.target, e) from e
+                if e.code() in UNREACHABLE:
+                    unreachable.add(part.target)  # reported once the others' deltas are delivered
+                else:
+                    errors[part.target] = e
+                continue
+            if part.src >= 0:  # a degraded write: applied at its acting home, parity included
+                update.committed(part)
+                retries.progress()
+                self.client.note_degraded("writes", part.src, part.pos.numel())
+            else:
+                update.dense_applied(part)
+                for d in resp.deltas:  # which incarnation applied it, as this worker's map says
+                    d.incarnation = part.incarnation
+                staged.append((part, list(resp.deltas)))
+        fault_point("worker:after_stage")
+        return staged
+
+    def _deliver_wave(self, staged: list, g, update: StepUpdate, retries: Retries, errors: dict) -> None:
+        refused, undelivered = self._deliver(staged, errors)
+        for part, deltas in staged:
+            if undelivered & {d.parity_server for d in deltas}:
+                continue  # delivered again on the next pass (the stage is answered from the log)
+            applied = self._applied(part, g, refused)
+            update.rows_applied(part, applied)
+            retries.progress()
+            if bool(applied.all()):
+                # Only then: a part retried at the same server (the worker's map lagging behind the parity
+                # server's) must still be answered with its deltas.
+                self.acks.add(part.target, part.txn)
+        if refused:
+            self.client.refresh()  # a data server is failed or replaced: plan with the new map
 
     def flush_decisions(self) -> None:
         """Send the acknowledgements no stage will carry (the worker stops, or the map changed) on their own.
