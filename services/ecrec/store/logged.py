@@ -26,7 +26,6 @@ import torch
 from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import step_of
 from ecrec.faults import fault_point
-from ecrec.store.peers import PeerFailed
 from ecrec.store.state import Busy, NotOwner, StoreState
 from ecrec.wire import InvalidRequest, check_finite
 
@@ -194,5 +193,3 @@ class LoggedUpdates(StoreState):
                 self.refused.popitem(last=False)
         self.cond.notify_all()
 
-
-__all__ = ["LoggedUpdates", "PeerFailed"]
