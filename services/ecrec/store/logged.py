@@ -192,4 +192,3 @@ class LoggedUpdates(StoreState):
             while len(self.refused) > REFUSED_KEPT:
                 self.refused.popitem(last=False)
         self.cond.notify_all()
-
