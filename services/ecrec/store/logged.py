@@ -26,8 +26,7 @@ import torch
 from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import step_of
 from ecrec.faults import fault_point
-from ecrec.store.state import Busy, NotOwner, StoreState
-from ecrec.wire import InvalidRequest, check_finite
+from ecrec.store.state import Busy, StoreState
 
 REFUSED_KEPT = 4096  # (txn, src) whose dropped rows are remembered for their deliverer
 
@@ -48,14 +47,7 @@ class LoggedUpdates(StoreState):
     ) -> tuple[int, list[DeltaBatch]]:
         """Apply a part (this server's rows, or a failed shard's at its acting home) and answer with the
         deltas the worker must deliver. A retried part is answered from the log, applied once."""
-        src = self.shard if src < 0 else src
-        local = self.local_rows(g, src)
-        self._check_grads(grads, local.numel())
-        dense = dense or {}
-        for c, dg in dense.items():
-            if dg.shape != (self.chunk_len(c),):
-                raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
-            check_finite(dg, "dense_grads")
+        src, local, dense = self._check_part(g, grads, src, dense)
         if delivered:
             with self.lock:
                 self.deltalog.ack(delivered)
@@ -68,12 +60,7 @@ class LoggedUpdates(StoreState):
                 return logged.rows, list(logged.batches)
             if txn in self.outcomes:  # applied and acknowledged (or forwarded): nothing left to deliver
                 return local.numel(), []
-            for c in dense:
-                if self.dense.stale(c, epoch):
-                    raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
-            if missing := self.dense.not_ready(dense):
-                raise Busy(f"dense chunk {missing} not copied yet")  # see Participant.stage
-            self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
+            self._admit_dense(dense, epoch)
             # Only a recovery lock group locks rows under deltaLog: it finishes on its own.
             self._wait(lambda: not self.rows.locks.busy(local, txn), "rows being rebuilt")
             part = self.rows.stage(txn, local, grads, self.clock())

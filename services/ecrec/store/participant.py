@@ -24,7 +24,6 @@ from ecrec.core.txn import DeltaBatch, RowLocks
 from ecrec.core.update import step_of, txn_age
 from ecrec.faults import fault_point
 from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
-from ecrec.wire import InvalidRequest, check_finite
 
 # How long a stage waits for rows another worker's part holds before answering Busy. Waits follow wait-die
 # (Participant._wait_rows), so they form no cycle; the bound is for a holder whose worker died (its part
@@ -101,14 +100,7 @@ class Participant(StoreState):
         earlier parts, for which this server is a parity server, ride along: they are applied first, before
         this stage can wait for anything that might be waiting for them. `lone`: the worker stages nothing
         else while this waits (see _wait_rows)."""
-        src = self.shard if src < 0 else src
-        local = self.local_rows(g, src)
-        self._check_grads(grads, local.numel())
-        dense = dense or {}
-        for c, dg in dense.items():
-            if dg.shape != (self.chunk_len(c),):
-                raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
-            check_finite(dg, "dense_grads")
+        src, local, dense = self._check_part(g, grads, src, dense)
         if decisions:  # checked above; applied before this stage can wait for anything
             self.decide_many(list(decisions))
         if src != self.shard:
@@ -117,18 +109,7 @@ class Participant(StoreState):
         with self.lock:
             if txn in self.outcomes:
                 raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
-            for c in dense:
-                if self.dense.stale(c, epoch):
-                    raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
-            if missing := self.dense.not_ready(dense):
-                # A replacement whose copy of the chunk is not here yet: refused at once, never waited for.
-                # The copy waits for the surviving replica's dense stages to drain, and the worker commits
-                # its stage there only once every part of the pass has answered: waiting here would close
-                # a cycle that only a txnTimeout breaks (a 10 s stall at every recovery's start). The worker
-                # retries the part on its next pass, when the copy (which holds this step's dense update
-                # once the surviving replica committed it) is done.
-                raise Busy(f"dense chunk {missing} not copied yet")
-            self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
+            self._admit_dense(dense, epoch)
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn", lone)
             part = self.rows.stage(txn, local, grads, self.clock())  # a retried stage gets the same part

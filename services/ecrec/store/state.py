@@ -222,6 +222,37 @@ class StoreState:
             raise InvalidRequest(f"grads: expected shape ({n}, {self.dim}), got {tuple(grads.shape)}")
         check_finite(grads, "grads")
 
+    def _check_part(
+        self, g: torch.Tensor, grads: torch.Tensor, src: int, dense: dict[int, torch.Tensor] | None
+    ) -> tuple[int, torch.Tensor, dict[int, torch.Tensor]]:
+        """Validate a part's rows, gradients and dense gradients (a stage, under either commit) before
+        anything happens; returns (src, local rows, dense)."""
+        src = self.shard if src < 0 else src
+        local = self.local_rows(g, src)
+        self._check_grads(grads, local.numel())
+        dense = dense or {}
+        for c, dg in dense.items():
+            if dg.shape != (self.chunk_len(c),):
+                raise InvalidRequest(f"dense_grads: chunk {c} expects {self.chunk_len(c)} values")
+            check_finite(dg, "dense_grads")
+        return src, local, dense
+
+    def _admit_dense(self, dense: dict[int, torch.Tensor], epoch: int) -> None:
+        """May a stage planned under `epoch` update these dense chunks here now? Needs `lock` (and may wait
+        for a copy being taken)."""
+        for c in dense:
+            if self.dense.stale(c, epoch):
+                raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
+        if missing := self.dense.not_ready(dense):
+            # A replacement whose copy of the chunk is not here yet: refused at once, never waited for. The
+            # copy waits for the surviving replica's dense stages to drain, and the worker commits its stage
+            # there only once every part of the pass has answered: waiting here would close a cycle that
+            # only a txnTimeout breaks (a 10 s stall at every recovery's start). The worker retries the part
+            # on its next pass, when the copy (which holds this step's dense update once the surviving
+            # replica committed it) is done.
+            raise Busy(f"dense chunk {missing} not copied yet")
+        self._wait(lambda: not self.dense.any_copying(dense), "dense chunk being copied")
+
     def _wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
         """Wait (holding self.lock on return) until ready(); Busy after `timeout` (default wait_timeout).
 
