@@ -288,6 +288,21 @@ TRAINING_RPCS = (
 )
 
 
+def run_summary(report: dict, load: dict) -> dict:
+    """What the overhead and scaling tables keep of one run's report."""
+    return {
+        "mean": report["samples_per_s"],
+        "steady": steady_rate(report),
+        "elapsed_s": report["elapsed_s"],
+        "auc": report["eval"]["auc"],
+        "rpcs_per_step": rpcs_per_step(report),
+        "cpu": _cpu(report),
+        "load": load,
+        # invariant I1 after the run (ECRec only): a speed-up that broke parity is no speed-up
+        "parity_mismatches": (report.get("parity_check") or {}).get("mismatches"),
+    }
+
+
 def rpcs_per_step(report: dict) -> float:
     """Training RPCs the servers served per worker step (worker -> server and server -> server)."""
     spec = report["spec"]
@@ -348,19 +363,7 @@ def bench_overhead(job: str, steps: int, sets: list[str], out_dir: Path, rounds:
         ctx = JobContext(load_job_with(job, [*sets, f"training.steps={steps}", *case]))
         name = label.replace(" ", "_").replace(",", "").replace("=", "")
         report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name)
-        runs[label].append(
-            {
-                "mean": report["samples_per_s"],
-                "steady": steady_rate(report),
-                "elapsed_s": report["elapsed_s"],
-                "auc": report["eval"]["auc"],
-                "rpcs_per_step": rpcs_per_step(report),
-                "cpu": _cpu(report),
-                "load": load_balance(report.get("server_load") or []),
-                # invariant I1 after the run (ECRec only): a speed-up that broke parity is no speed-up
-                "parity_mismatches": (report.get("parity_check") or {}).get("mismatches"),
-            }
-        )
+        runs[label].append(run_summary(report, load_balance(report.get("server_load") or [])))
         print(
             f"  {label}: mean {report['samples_per_s']:,.0f} samples/s, "
             f"steady {runs[label][-1]['steady']:,.0f}",

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ecrec.bench import (
     Column,
-    _cpu,
     _median,
     _round,
     _run,
@@ -23,8 +22,7 @@ from ecrec.bench import (
     emit_table,
     load_job_with,
     overhead_row,
-    rpcs_per_step,
-    steady_rate,
+    run_summary,
 )
 from ecrec.jobctx import JobContext
 
@@ -60,18 +58,7 @@ def bench_scaling(
         ctx = JobContext(load_job_with(job, [*extra, f"workers.replicas={w}", *case]))
         name = f"w{w}_" + label.replace(" ", "_").replace("=", "")
         report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name, cpus=cpus)
-        runs[(w, label)].append(
-            {
-                "mean": report["samples_per_s"],
-                "steady": steady_rate(report),
-                "elapsed_s": report["elapsed_s"],
-                "auc": report["eval"]["auc"],
-                "rpcs_per_step": rpcs_per_step(report),
-                "cpu": _cpu(report),
-                "load": {"work": float("nan"), "cpu": float("nan")},
-                "parity_mismatches": (report.get("parity_check") or {}).get("mismatches"),
-            }
-        )
+        runs[(w, label)].append(run_summary(report, {"work": float("nan"), "cpu": float("nan")}))
         print(f"  {w} workers, {label}: steady {runs[(w, label)][-1]['steady']:,.0f} samples/s", flush=True)
     rows = []
     for w in workers:
