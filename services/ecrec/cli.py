@@ -263,6 +263,13 @@ def cmd_bench_server(args) -> int:
     return 0
 
 
+def cmd_bench_codes(args) -> int:
+    from ecrec.codebench import bench_codes
+
+    bench_codes(k=args.k, width=args.width, rows=args.rows, seconds=args.seconds, out_dir=Path(args.out))
+    return 0
+
+
 def cmd_bench_overhead(args) -> int:
     from ecrec.bench import bench_overhead
 
@@ -538,6 +545,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=3.0, help="measurement time per case")
     p.add_argument("--out", default="out/bench-server", help="summary.json goes here")
     p.set_defaults(fn=cmd_bench_server)
+
+    p = bench.add_parser("codes", help="encode/delta/decode rows/s of the xor (r=1) and P + Q (r=2) codes")
+    p.add_argument("--k", type=int, default=4, help="data records per stripe")
+    p.add_argument("--width", type=int, default=64, help="floats per record")
+    p.add_argument("--rows", type=int, default=4096, help="stripes per call")
+    p.add_argument("--seconds", type=float, default=2.0, help="measurement time per case")
+    p.add_argument("--out", default="out/bench-codes", help="summary.json goes here")
+    p.set_defaults(fn=cmd_bench_codes)
 
     p = bench.add_parser("overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication")
     p.add_argument("--job", default="examples/local-small.yaml")
