@@ -28,6 +28,7 @@ import torch
 
 from ecrec.core.codes import make_code
 from ecrec.core.recovery import plan_recovery
+from ecrec.core.stripes import Read
 from ecrec.core.txn import DeltaBatch, RowsBusy
 from ecrec.core.update import MapView, Part, StepUpdate
 from ecrec.jobctx import JobContext
@@ -119,10 +120,8 @@ class LocalPeers:
                 out[s] = e
         return out
 
-    def read_rows(self, requests: list[tuple[int, str, torch.Tensor, int]], epoch: int) -> list[ReadResult]:
-        return [
-            self._call(server, "read_rows", kind, index.clone(), src) for server, kind, index, src in requests
-        ]
+    def read_rows(self, requests: list[Read], epoch: int) -> list[ReadResult]:
+        return [self._call(r.server, "read_rows", r.kind, r.index.clone(), r.src, r.as_of) for r in requests]
 
     def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
         recs, txns = self._call(server, "serve_dense_copy", chunk, epoch)

@@ -78,3 +78,30 @@ def test_a_re_encode_gives_the_parity_records_and_the_versions_they_reflect(net)
         assert server not in {r.server for r in plan.reads} and all(r.src == server for r in plan.reads)
         records, vers = plan.encode(store.code, ctx.record_width, answer(net, plan.reads))
         assert torch.equal(bits(records), bits(store.parity.parity)) and torch.equal(vers, store.parity.pver)
+
+
+def test_catch_up_reads_only_members_ahead_of_their_parity_as_of_the_version_it_reflects(net):
+    ctx, store = net.ctx, net[S]
+    local = torch.arange(12)
+    plan = StripeDecode(ctx.placement, S, local)
+    results = answer(net, plan.reads)
+    members = [i for i, r in enumerate(plan.reads) if r.kind == "data"]
+    ahead, behind = results[members[0]], results[members[1]]
+    true_version = int(ahead.versions[0])
+    ahead.versions = ahead.versions.clone()
+    ahead.versions[0] += 2  # its deltas not delivered yet
+    behind.versions = behind.versions.clone()
+    behind.versions[0] -= 1  # a parity ahead of its member: rowLocks between commit and decision
+    _r, _v, consistent = plan.decode(store.code, ctx.record_width, results)
+    assert int((~consistent).sum()) == 2
+    (read,) = plan.catch_up()  # the stripe with a member behind is read again whole, later
+    assert read.server == plan.reads[members[0]].server and read.kind == "data"
+    assert read.index.tolist() == [int(plan.reads[members[0]].index[0])] and read.as_of.tolist() == [
+        true_version
+    ]
+    (answered,) = answer(net, [read])
+    records, versions, consistent = plan.decode_caught_up(store.code, [answered])
+    assert int((~consistent).sum()) == 1
+    ok = consistent.nonzero().squeeze(1)
+    assert torch.equal(bits(records[ok]), bits(store.rows.records[local[ok]]))
+    assert torch.equal(versions[ok], store.rows.versions[local[ok]])

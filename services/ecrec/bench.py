@@ -466,6 +466,7 @@ def recovery_run(report: dict) -> dict:
         else float("nan"),
         "rebuild_ratio": rebuild / normal if normal else float("nan"),
         "parity_mismatches": report["parity_check"]["mismatches"],
+        "stripes_read_again": report.get("stripes_read_again", 0),
         "cpu": _cpu(report),
     }
 
@@ -598,7 +599,8 @@ def bench_recovery(
         runs[(scale, group)].append(run)
         print(
             f"  scale {scale} group {group}: continue {run['continue_s']:.2f}s, full {run['full_s']:.1f}s "
-            f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}",
+            f"(rebuild {run['rebuild_s']:.2f}s), kill→recovered / normal {run['during_ratio']:.2f}, "
+            f"stripes read again {run['stripes_read_again']}",
             flush=True,
         )
         if timeline:

@@ -346,6 +346,11 @@ class StoreCollector:
         ("buffered", "ecrec_server_buffered_updates", "Requests that waited for busy or locked rows"),
         ("degraded_rows", "ecrec_server_degraded_rows", "Rows served or written for a failed shard"),
         ("rows_recovered", "ecrec_server_rows_rebuilt", "Rows this replacement rebuilt"),
+        (
+            "stripes_read_again",
+            "ecrec_server_stripes_read_again",
+            "Stripes a decode read again: their members and parity record were not a consistent cut",
+        ),
     )
 
     def __init__(self, store, labels: dict[str, str]):

@@ -124,14 +124,18 @@ class GrpcPeers:
 
     def read_rows(self, requests, epoch: int) -> list[ReadResult]:
         calls = []
-        for server, kind, index, src in requests:
+        for r in requests:
             req = pb.ReadRowsRequest(
                 epoch=epoch,
-                kind=pb.PARITY if kind == "parity" else pb.DATA,
-                index=ids_to_bytes(index),
-                src=src,
+                kind=pb.PARITY if r.kind == "parity" else pb.DATA,
+                index=ids_to_bytes(r.index),
+                src=r.src,
             )
-            calls.append((server, kind, index.numel(), self._call(server, "ReadRows", req, timeout=60.0)))
+            if r.as_of is not None:  # optional: present only when asked
+                req.as_of = ids_to_bytes(r.as_of)
+            calls.append(
+                (r.server, r.kind, r.index.numel(), self._call(r.server, "ReadRows", req, timeout=60.0))
+            )
         out = []
         for server, kind, n, fut in calls:
             try:
@@ -521,7 +525,12 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         if request.src != -1:
             self._shard_id(request.src, "src", other=request.kind == pb.PARITY)
         index = bytes_to_ids(request.index, "index")
-        res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src)
+        as_of = None
+        if request.HasField("as_of"):
+            if request.kind != pb.DATA:
+                raise InvalidRequest("as_of: only DATA records are read as of a version")
+            as_of = bytes_to_ids(request.as_of, "as_of")
+        res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src, as_of)
         resp = pb.ReadRowsResponse(records=floats_to_bytes(res.records), versions=ids_to_bytes(res.versions))
         if res.ready is not None:
             resp.ready = res.ready.to(torch.uint8).numpy().tobytes()

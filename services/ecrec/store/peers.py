@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from ecrec.core.stripes import ReadResult
+from ecrec.core.stripes import Read, ReadResult
 from ecrec.core.txn import DeltaBatch
 
 
@@ -31,9 +31,7 @@ class Peers(Protocol):
         self, servers: list[int], txn: str, src: int, commit: bool, epoch: int
     ) -> dict[int, Exception | None]: ...
 
-    def read_rows(
-        self, requests: list[tuple[int, str, torch.Tensor, int]], epoch: int
-    ) -> list[ReadResult]: ...
+    def read_rows(self, requests: list[Read], epoch: int) -> list[ReadResult]: ...
 
     def dense_copy(self, server: int, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]: ...
 

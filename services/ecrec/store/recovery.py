@@ -31,18 +31,29 @@ CONSISTENT_READ_TRIES = 200
 class Recovery(StoreState):
     """Degraded reads, the acting home's decodes, and the rebuild of a replacement."""
 
-    def read_rows(self, kind: str, index: torch.Tensor, src: int = -1) -> ReadResult:
+    def read_rows(
+        self, kind: str, index: torch.Tensor, src: int = -1, as_of: torch.Tensor | None = None
+    ) -> ReadResult:
         """Records with versions. PARITY reads for rebuilding shard `src` wait for its undecided deltas; DATA
-        reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged."""
+        reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged. DATA reads `as_of`
+        versions answer the rows as they were then where the delta log can undo what came after (deltaLog,
+        xor code), and version -1 for the others."""
         if kind == "data":
             if not in_range(index, self.num_rows):
                 raise InvalidRequest("index: local rows out of range")
+            if as_of is not None and as_of.shape != index.shape:
+                raise InvalidRequest(f"as_of: {as_of.numel()} versions for {index.numel()} rows")
             with self.lock:
                 if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
                     self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
                 if not bool(self.row_ready[index].all()):
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
-                return ReadResult(self.rows.records[index].clone(), self.rows.versions[index].clone())
+                records, versions = self.rows.records[index], self.rows.versions[index]
+                if as_of is None:
+                    return ReadResult(records.clone(), versions.clone())
+                if not (self.logged and self.code.exact):
+                    return ReadResult(records.clone(), torch.where(versions == as_of, versions, -1))
+                return ReadResult(*self.deltalog.roll_back(index, records, versions, as_of, self.placement.k))
         n_par = self.parity.parity.shape[0]
         if not in_range(index, n_par):
             raise InvalidRequest("index: parity indices out of range")
@@ -89,6 +100,11 @@ class Recovery(StoreState):
                 )
             except SecondFailure as e:
                 raise PeerFailed(-1, str(e)) from e
+            if self.logged and self.code.exact and not bool(consistent.all()):
+                # members ahead of their parity by undelivered deltas: read them as of what it reflects
+                again = plan.catch_up()
+                if again:
+                    decoded, versions, consistent = plan.decode_caught_up(self.code, self._read_many(again))
             if not self.code.exact:  # rounding may leave state outside its domain (docs/protocol.md)
                 decoded = self.opt.project(decoded, self.dim)
             out[todo[consistent]] = decoded[consistent]
@@ -99,6 +115,8 @@ class Recovery(StoreState):
                     self.tap.decoded(src, local, vers, out)
                 return out, vers
             plan = plan.rest(consistent)
+            with self.lock:
+                self.stats["stripes_read_again"] += todo.numel()
             time.sleep(0.002)  # a commit is between a member and its parity server: read again
         raise Busy(f"could not read a consistent cut of {todo.numel()} stripes")
 
@@ -108,10 +126,10 @@ class Recovery(StoreState):
         remote = [(i, r) for i, r in enumerate(reads) if r.server != self.shard]
         for i, r in enumerate(reads):
             if r.server == self.shard:
-                out[i] = self.read_rows(r.kind, r.index, r.src)
+                out[i] = self.read_rows(r.kind, r.index, r.src, r.as_of)
         if remote:
-            requests = [(r.server, r.kind, r.index, r.src) for _i, r in remote]
-            for (i, _r), res in zip(remote, self.peers.read_rows(requests, self.epoch), strict=True):
+            answers = self.peers.read_rows([r for _i, r in remote], self.epoch)
+            for (i, _r), res in zip(remote, answers, strict=True):
                 out[i] = res
         return out  # type: ignore[return-value]
 

@@ -170,6 +170,7 @@ class StoreState:
             "rows_recovered": 0,
             "expired_worker_gone": 0,
             "expired_timeout": 0,
+            "stripes_read_again": 0,
         }
         # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
         self.fence = WorkerFence()
