@@ -52,3 +52,31 @@ def test_bad_worker_counts_are_refused_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="at least 1"):
         scaling.bench_scaling("examples/local-small.yaml", [0, 2], 5, [], tmp_path)
     assert [label for label, _ in scaling.scaling_cases([2, 4])] == ["No FT", "ECRec k=2", "ECRec k=4"]
+
+
+def test_seed_per_round_trains_each_round_with_its_own_seed_and_keeps_every_auc(tmp_path, monkeypatch):
+    seeds = []
+
+    def fake_run(ctx, out, cpus=None):
+        spec = ctx.spec
+        seeds.append((spec.fault_tolerance.strategy, spec.training.seed))
+        auc = 0.7 + 0.01 * spec.training.seed + (0.001 if spec.fault_tolerance.strategy == "ecrec" else 0.0)
+        return {
+            "samples_per_s": 100.0,
+            "throughput_series": [[t, 100.0] for t in range(2, 6)],
+            "elapsed_s": 1.0,
+            "eval": {"auc": auc},
+            "spec": {"training": {"steps": 7}, "workers": {"replicas": spec.workers.replicas}},
+            "rpcs_served": {},
+        }
+
+    monkeypatch.setattr(scaling, "_run", fake_run)
+    rows = scaling.bench_scaling(
+        "examples/local-small.yaml", [2], 7, [], tmp_path, rounds=3, seed_per_round=True
+    )
+    assert sorted(seeds) == [("ecrec", 0), ("ecrec", 1), ("ecrec", 2), ("none", 0), ("none", 1), ("none", 2)]
+    by = {r["case"]: r for r in rows}
+    assert by["ECRec k=4"]["aucs"] == pytest.approx([0.701, 0.711, 0.721])
+    assert by["No FT"]["auc"] == pytest.approx(0.71)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary[1]["AUC per round"] == "0.7010 / 0.7110 / 0.7210"

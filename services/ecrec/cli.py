@@ -301,6 +301,7 @@ def cmd_bench_scaling(args) -> int:
             ks=ints(args.ks, "--ks"),
             zipf=args.zipf,
             rounds=args.rounds,
+            seed_per_round=args.seed_per_round,
             cpus=role_cpus(args.cpus or []),
         )
     except ValueError as e:
@@ -578,6 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=300, help="training steps per worker")
     p.add_argument("--rounds", type=int, default=1, help="rounds in alternating order; medians reported")
+    p.add_argument(
+        "--seed-per-round",
+        action="store_true",
+        help="round r trains with training.seed = r (data and initialization): AUC compared over seeds",
+    )
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     _add_cpus(p)
     p.add_argument("--out", default="out/bench-scaling", help="summary.json goes here")

@@ -6,7 +6,8 @@ machine's speed does not favour one configuration. Each row is one (configuratio
 samples/s (the median over rounds), its throughput against No FT at the same worker count (the median of
 the per-round ratios, each against No FT of the same round), and its own throughput against its own at the
 first worker count — the two numbers issue #29 asks of it. AUC and the parity check of every run come along:
-a speed-up that cost accuracy or broke parity is no speed-up.
+a speed-up that cost accuracy or broke parity is no speed-up. With `seed_per_round`, round r trains with
+training.seed = r, so the AUCs of a row are those of different seeds (issue #29: accuracy within noise).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def bench_scaling(
     zipf: float | None = None,
     rounds: int = 1,
     cpus: dict[str, str] | None = None,
+    seed_per_round: bool = False,
 ) -> list[dict]:
     if not workers or min(workers) < 1:
         raise ValueError("--workers: one or more worker counts, each at least 1")
@@ -55,7 +57,8 @@ def bench_scaling(
     configs = [(w, label, case) for w in workers for label, case in cases]
     runs: dict[tuple[int, str], list[dict]] = {(w, label): [] for w, label, _ in configs}
     for r, (w, label, case) in alternating(configs, rounds):
-        ctx = JobContext(load_job_with(job, [*extra, f"workers.replicas={w}", *case]))
+        seed = [f"training.seed={r}"] if seed_per_round else []
+        ctx = JobContext(load_job_with(job, [*extra, f"workers.replicas={w}", *case, *seed]))
         name = f"w{w}_" + label.replace(" ", "_").replace("=", "")
         report = _run(ctx, out_dir / name if rounds == 1 else out_dir / f"round{r + 1}" / name, cpus=cpus)
         runs[(w, label)].append(run_summary(report, {"work": float("nan"), "cpu": float("nan")}))
@@ -70,7 +73,8 @@ def bench_scaling(
                 r["steady"] / f["steady"] if f["steady"] else float("nan")
                 for r, f in zip(runs[(w, label)], first, strict=True)
             ]
-            rows.append({**row, "workers": w, "vs_first": _median(own)})
+            aucs = [r["auc"] for r in runs[(w, label)]]
+            rows.append({**row, "workers": w, "vs_first": _median(own), "aucs": aucs})
     columns = [
         Column("configuration", lambda r: r["case"]),
         Column("workers", lambda r: r["workers"]),
@@ -81,6 +85,7 @@ def bench_scaling(
         Column(f"own throughput vs {workers[0]} workers", lambda r: _round(r["vs_first"], 3), "{:.2f}"),
         Column("server RPCs per worker step", lambda r: _round(r["rpcs_per_step"], 2), "{:.1f}"),
         Column("eval AUC", lambda r: r["auc"], "{:.4f}"),
+        Column("AUC per round", lambda r: " / ".join(f"{x:.4f}" for x in r["aucs"])),
         Column("parity mismatches (most in a run)", lambda r: r["parity_mismatches"], "{:,}"),
     ]
     title = (
@@ -90,5 +95,7 @@ def bench_scaling(
         title += f" zipf={zipf:g}"
     if cpus:
         title += " cpus " + " ".join(f"{role}={c}" for role, c in cpus.items())
-    emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), columns, rows, out_dir)
+    if rounds > 1:
+        title += f" rounds={rounds} (medians)" + (", round r with training.seed=r" if seed_per_round else "")
+    emit_table(title, columns, rows, out_dir)
     return rows
