@@ -81,7 +81,7 @@ def ecrec_crd(kube: KubeTestEnv) -> str:
         [sys.executable, "-m", "ecrec.cli", "crd"], capture_output=True, text=True, check=True, cwd=REPO
     ).stdout
     kube.kubectl("apply", "-f", "-", input=crd)
-    kube.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    kube.wait_crd_established(CRD_NAME)
     kube.restart_controller_manager()
     return CRD_NAME
 

@@ -52,7 +52,7 @@ def pruned(value: Any) -> Any:
 def crd(kube: KubeTestEnv) -> dict[str, Any]:
     """The committed CRD file applied and Established; the API server's copy of it."""
     run(kube, "apply", "-f", str(CRD_FILE))
-    run(kube, "wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    kube.wait_crd_established(CRD_NAME)
     return json.loads(run(kube, "get", f"crd/{CRD_NAME}", "-o", "json").stdout)
 
 

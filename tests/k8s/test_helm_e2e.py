@@ -133,7 +133,7 @@ def release(cluster: Cluster):
     crd = c.get("crd", "ecrecjobs.ecrec.dev")  # from the chart's crds/: exactly the committed file
     committed = yaml.safe_load((CHART / "crds" / "ecrecjobs.yaml").read_text())
     assert crd["spec"]["versions"][0]["schema"] == committed["spec"]["versions"][0]["schema"]
-    c.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/ecrecjobs.ecrec.dev")
+    c.env.wait_crd_established("ecrecjobs.ecrec.dev")
 
     # The Deployment's pod comes from its ReplicaSet (kube-controller-manager), runs on the test kubelet and
     # turns Ready only once kopf's /healthz answers the readiness probe.

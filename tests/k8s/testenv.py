@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,6 +177,20 @@ class KubeTestEnv:
                 proc.returncode, ["kubectl", *args], output=proc.stdout, stderr=proc.stderr
             )
         return proc
+
+    def wait_crd_established(self, name: str, timeout: float = 60) -> None:
+        """Wait for a CRD's Established condition. Not `kubectl wait --for=condition=Established`: that fails
+        at once instead of waiting while the API server has not written the CRD's status.conditions yet
+        ("<nil> is of the type <nil>", seen on a busy machine)."""
+        path = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.kubectl("get", f"crd/{name}", "-o", f"jsonpath={path}", check=False)
+            if got.returncode == 0 and got.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRD {name} not Established after {timeout:.0f} s: {got.stderr.strip()}")
+            time.sleep(0.3)
 
 
 def _kubectl_works(path: str) -> bool:
