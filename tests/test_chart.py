@@ -252,8 +252,9 @@ def test_namespaced_rbac_splits_the_same_rules_into_a_role_per_namespace():
     assert {res for r in cluster_role["rules"] for res in r["resources"]} == {
         "customresourcedefinitions",
         "namespaces",
+        "nodes",  # their failure-domain labels (FailureDomainsAtRisk)
     }
-    assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"list", "watch"}
+    assert {v for r in cluster_role["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
     bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"] != LEADER_ELECTION]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:

@@ -96,7 +96,7 @@ def test_status_schema_has_every_documented_field_and_no_defaults() -> None:
     status = status_openapi_schema()
     props = status["properties"]
     assert props["phase"]["enum"] == list(PHASES) == [
-        "Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed",
+        "Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed", "Suspended",
     ]  # fmt: skip
     cond = props["conditions"]
     assert (cond["x-kubernetes-list-type"], cond["x-kubernetes-list-map-keys"]) == ("map", ["type"])

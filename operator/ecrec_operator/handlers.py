@@ -4,7 +4,9 @@
 - `server_pod_event` reacts at once when a server pod is deleted or fails: it tells the coordinator, which
   probes and marks the shard failed, so training goes on in degraded mode without waiting for heartbeats.
 - `reconcile_job` (a timer on each ECRecJob) observes the pods and the coordinator's `/v1/status`, asks the
-  pure reconciler what to do, does it (create or delete pods, call the coordinator) and writes the status.
+  pure reconciler what to do, does it (create or delete pods, call the coordinator) and writes the status;
+  a suspended job's pods it deletes instead (`suspend`), and it reports servers that share a failure domain
+  (`domains`, the condition FailureDomainsAtRisk).
 
 All state lives in the cluster (pods, their labels, the job's status) and in the coordinator, never in this
 process: a restarted operator carries on from what it observes. Pods carry no kopf finalizers (only the
@@ -34,7 +36,7 @@ from ecrec.data import check_data
 from ecrec.jobctx import JobContext
 from ecrec.spec import SpecError, job_from_spec
 
-from . import metrics, pinning, render
+from . import domains, metrics, pinning, render, suspend
 from .status import job_status, set_condition
 
 log = logging.getLogger("ecrec_operator")
@@ -67,8 +69,8 @@ def _recoveries_started(owner, namespace: str, job: str, coord_status: dict | No
 
 # -- observation -------------------------------------------------------------------------------------------
 @kopf.index("", "v1", "pods", labels={render.LABEL_JOB: kopf.PRESENT})
-def pods_by_job(namespace, name, labels, meta, status, **_):
-    """(namespace, job) -> the pod's name, labels, deletion mark and status, as plain data."""
+def pods_by_job(namespace, name, labels, meta, spec, status, **_):
+    """(namespace, job) -> the pod's name, labels, deletion mark, node and status, as plain data."""
     return {
         (namespace, labels[render.LABEL_JOB]): {
             "metadata": {
@@ -76,6 +78,7 @@ def pods_by_job(namespace, name, labels, meta, status, **_):
                 "labels": dict(labels),
                 "deletionTimestamp": meta.get("deletionTimestamp"),
             },
+            "spec": {"nodeName": (spec or {}).get("nodeName")},
             "status": {
                 "phase": status.get("phase", "Pending"),
                 "podIP": status.get("podIP"),
@@ -170,6 +173,8 @@ def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: 
     if not gone:
         return
     job, shard = labels.get(render.LABEL_JOB), int(labels.get(render.LABEL_SHARD, -1))
+    if suspend.is_suspended(namespace, job):
+        return  # deleted by the suspend itself: no failure to report
     base = _coordinator_base(_pods(pods_by_job, namespace, job))
     if base is None or shard < 0:
         return
@@ -216,6 +221,9 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
         if problems:
             _fail(patch, body, status, now, "ECRecJobInvalidSpec", "invalid spec: " + "; ".join(problems))
             return
+        if job.spec.run_policy.suspend:  # created suspended: nothing is pinned until it first starts
+            suspend.suspend(k8s.CoreV1Api(), namespace, name, [], status, body, patch, now)
+            return
         try:
             pinned = _pin(namespace, name, job)  # before the first pod: every pod is rendered from it
         except ApiException as e:
@@ -224,6 +232,12 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     resolved = pinning.resolve(name, spec, pinned)
     job = resolved.job
     pods = _pods(pods_by_job, namespace, name)
+    if job.spec.run_policy.suspend:
+        suspend.suspend(k8s.CoreV1Api(), namespace, name, pods, status, body, patch, now)
+        return
+    if status.get("phase") == "Suspended":
+        suspend.resume(k8s.CustomObjectsApi(), namespace, name, pods, status, body, patch, now)
+        return
     if not pods and not status.get("coordinatorIncarnation"):
         # Before anything starts: data files that are missing or malformed fail here with one line, not as
         # a worker's traceback once every pod runs (the operator reads the data too, for the final checks).
@@ -315,6 +329,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     if coordinator_created is not None:
         new["coordinatorIncarnation"] = coordinator_created
     new["conditions"] = _spec_condition(body, new.get("conditions") or [], resolved, now)
+    new["conditions"] = _domain_condition(body, new["conditions"], job.spec, pods, now)
     if meta.get("generation") is not None:
         new["observedGeneration"] = int(meta["generation"])  # the spec this pass saw (edits: see pinning)
     for key, value in new.items():
@@ -521,6 +536,38 @@ def _spec_condition(body, conditions: list[dict], resolved: pinning.Resolved, no
     if old is None or old.get("message") != message:
         kopf.warn(body, reason="SpecChangeIgnored", message=message)
     return set_condition(conditions, "SpecChangeIgnored", "True", "SpecChangeIgnored", message, _iso(now))
+
+
+def _node_labels(name: str) -> dict[str, str] | None:
+    try:
+        return dict(k8s.CoreV1Api().read_node(name).metadata.labels or {})
+    except ApiException as e:
+        if e.status != 404:
+            log.warning("reading node %s for failure domains: %s", name, e.reason)
+        return None
+
+
+_nodes = domains.NodeLabels(_node_labels)
+
+
+def _domain_condition(body, conditions: list[dict], spec, pods: list[dict], now) -> list[dict]:
+    """FailureDomainsAtRisk (strategy ecrec only): True, with a warning event naming the domains and their
+    shards, while more than r servers share a failure domain; False once every shard is scheduled and none do."""
+    if spec.fault_tolerance.strategy != "ecrec":
+        return conditions
+    key, r = spec.servers.failure_domain, spec.fault_tolerance.ecrec.r
+    placement = domains.evaluate(pods, spec.servers.replicas, _nodes, key, r)
+    if placement is None:
+        return conditions
+    message = placement.message(key, r)
+    if not placement.at_risk:
+        return set_condition(
+            conditions, domains.CONDITION, "False", "FailureDomainsSpread", message, _iso(now)
+        )
+    old = next((c for c in conditions if c.get("type") == domains.CONDITION), None)
+    if old is None or old.get("status") != "True" or old.get("message") != message:
+        kopf.warn(body, reason=domains.CONDITION, message=message)
+    return set_condition(conditions, domains.CONDITION, "True", domains.CONDITION, message, _iso(now))
 
 
 def _fail(patch, body, status, now, reason: str, message: str) -> None:

@@ -41,6 +41,9 @@ from ecrec.podlabels import (
 )
 from ecrec.roles import role_argv
 from ecrec.spec import Job, JobSpec, ServersSpec
+from ecrec.spec.template import CHECKPOINT_DIR, CHECKPOINT_VOLUME, SCRATCH_ENV, TMP_DIR, TMP_VOLUME
+
+from . import podtemplate
 
 GROUP, VERSION, PLURAL = "ecrec.dev", "v1alpha1", "ecrecjobs"
 HTTP_PORT = 8080  # coordinator REST
@@ -56,20 +59,10 @@ RESTRICTED_CONTAINER_SECURITY_CONTEXT: dict = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
-TMP_VOLUME = "tmp"
-TMP_DIR = "/tmp"
-# The checkpoint strategies' volume (spec.faultTolerance.<strategy>.volumeClaim), in coordinator and server
-# pods; a job writes under <CHECKPOINT_DIR>/<job name>/<path>, so jobs may share a claim.
-CHECKPOINT_VOLUME = "checkpoints"
-CHECKPOINT_DIR = "/var/lib/ecrec/checkpoints"
-# Where the processes and their libraries write: the /tmp emptyDir (the root filesystem is read-only).
-SCRATCH_ENV = {
-    "HOME": TMP_DIR,
-    "MPLCONFIGDIR": f"{TMP_DIR}/matplotlib",
-    "TORCHINDUCTOR_CACHE_DIR": f"{TMP_DIR}/torchinductor",
-    "TRITON_CACHE_DIR": f"{TMP_DIR}/triton",
-    "XDG_CACHE_HOME": f"{TMP_DIR}/.cache",
-}
+# The /tmp emptyDir where the processes and their libraries write (SCRATCH_ENV; the root filesystem is
+# read-only) and the checkpoint strategies' volume (spec.faultTolerance.<strategy>.volumeClaim), in coordinator
+# and server pods; a job writes under <CHECKPOINT_DIR>/<job name>/<path>, so jobs may share a claim. Declared
+# with the spec, which refuses a pod template that reuses them.
 
 
 @dataclass(frozen=True)
@@ -397,14 +390,21 @@ def pod(
     meta: dict = {
         "name": pod_name(job.name, role, index, incarnation),
         "namespace": namespace,
-        "labels": {**d.labels, **labels(job.name, role, index, incarnation)},
+        # The job's own template labels over the operator config's, the operator's own over both.
+        "labels": {
+            **d.labels,
+            **section.template.metadata.labels,
+            **labels(job.name, role, index, incarnation),
+        },
     }
     meta["annotations"] = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(METRICS_PORT),
         "prometheus.io/path": "/metrics",
     }
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    out = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    spread = podtemplate.server_spread(job.name, spec.servers) if role in podtemplate.SPREAD_ROLES else None
+    return podtemplate.merge(out, section.template, spread)
 
 
 def network_policy(job: Job, namespace: str, defaults: PodDefaults | None = None) -> dict | None:

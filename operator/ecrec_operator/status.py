@@ -187,3 +187,44 @@ def _without_nulls(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nulls(v) for v in value]
     return value
+
+
+# Conditions that describe a running job: False while it is suspended (it has no pods).
+_RUNNING_CONDITIONS = ("Running", "Degraded", "Recovering", "Checking", "FailureDomainsAtRisk")
+
+
+def suspended_status(previous: dict, now: datetime.datetime) -> dict:
+    """The status merge patch of a suspended job (runPolicy.suspend): phase Suspended, condition Suspended,
+    and what a resumed job must not carry over cleared (None deletes a field in a merge patch): its start time
+    (activeDeadlineSeconds counts from the resume, as a Kubernetes Job's does), the coordinator's incarnation
+    and seed (a resumed job starts afresh, not as a coordinator failover)."""
+    ts = _ts(now)
+    message = "runPolicy.suspend is true: the job's pods are deleted and none are created"
+    conditions = set_condition(
+        list(previous.get("conditions") or []), "Suspended", "True", "ECRecJobSuspended", message, ts
+    )
+    for ctype in _RUNNING_CONDITIONS:
+        if any(c.get("type") == ctype and c.get("status") == "True" for c in conditions):
+            conditions = set_condition(
+                conditions, ctype, "False", "ECRecJobSuspended", "job is suspended", ts
+            )
+    return {
+        "phase": "Suspended",
+        "reason": message,
+        "conditions": conditions,
+        "startTime": None,
+        "coordinatorIncarnation": None,
+        "resume": None,
+        "samplesPerSecond": None,
+    }
+
+
+def resumed_status(previous: dict, now: datetime.datetime) -> dict:
+    """The status merge patch of a job resumed once its suspended pods are gone: Pending, condition Suspended
+    False, and the last run's training state cleared (the job starts over from step 0)."""
+    ts = _ts(now)
+    conditions = set_condition(
+        list(previous.get("conditions") or []), "Suspended", "False", "ECRecJobResumed", "job is resumed", ts
+    )
+    cleared = ("step", "samplesPerSecond", "servers", "recoveries", "checkpointing", "startTime")
+    return {"phase": "Pending", "reason": "resumed", "conditions": conditions, **dict.fromkeys(cleared)}

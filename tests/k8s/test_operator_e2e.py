@@ -435,3 +435,57 @@ def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_sta
     assert "SpareTookOver" in events and "ReplacementCreated" in events, events
     # The coordinator started the spare's rebuild at its registration; the operator saw it and said so.
     assert "RecoveryStarted" in events, events
+
+
+def test_a_suspended_job_has_no_pods_and_resumed_it_trains_with_its_pod_template(kube, operator):
+    """runPolicy.suspend as Kueue uses it: created suspended, nothing runs; suspended while running, its pods
+    go; cleared, the job starts over and succeeds. The servers' pod template reaches the pods."""
+    name = "e2e-suspend"
+    template = {
+        "metadata": {"labels": {"team": "recsys"}, "annotations": {"example.com/owner": "e2e"}},
+        "spec": {"containers": [{"name": "ecrec", "env": [{"name": "E2E_MARK", "value": "from-template"}]}]},
+    }
+    kube.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=job_manifest(name, **{"runPolicy.suspend": True, "servers.template": template}),
+    )
+    wait_for(
+        "phase Suspended", lambda: (get_job(kube, name).get("status") or {}).get("phase") == "Suspended", 60
+    )
+    assert pods(kube, f"ecrec.dev/job={name}") == []
+
+    def patch_suspend(value: bool) -> None:
+        kube.kubectl(
+            "patch",
+            "ecj",
+            name,
+            "-n",
+            NS,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"runPolicy": {"suspend": value}}}),
+        )
+
+    patch_suspend(False)
+    wait_for("training to run", lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20, 180)
+    (server,) = pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard=0")
+    assert server["metadata"]["labels"]["team"] == "recsys"
+    assert server["metadata"]["annotations"]["example.com/owner"] == "e2e"
+    env = {e["name"]: e.get("value") for e in server["spec"]["containers"][0]["env"]}
+    assert env["E2E_MARK"] == "from-template"
+    assert "team" not in pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=worker")[0]["metadata"]["labels"]
+
+    patch_suspend(True)  # while training: every pod goes, and no server loss is reported for them
+    wait_for("the pods to go", lambda: pods(kube, f"ecrec.dev/job={name}") == [], 120)
+    status = get_job(kube, name)["status"]
+    assert status["phase"] == "Suspended", status
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Suspended"] == "True"
+    patch_suspend(False)
+    status = wait_done(kube, name, timeout=400)
+    assert status["parityCheck"]["mismatches"] == 0 and status["step"] == status["totalSteps"], status
+    events = kube.kubectl("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}").stdout
+    assert "ECRecJobSuspended" in events and "ECRecJobResumed" in events and "ServerLost" not in events, (
+        events
+    )

@@ -103,6 +103,11 @@ the namespaced ones go into a Role per watched namespace when watchNamespaces is
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
+# The failure-domain label (spec.servers.failureDomain) of the nodes the servers run on: the job condition
+# FailureDomainsAtRisk. Read by name only (get), cached.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [get]
 {{- end -}}
 
 {{/* Leader election (ecrec-operator --leader-elect): the same as the Role in operator/deploy/rbac.yaml. */}}

@@ -6,8 +6,8 @@ manifest or bare spec into a `Job`, and generating the CustomResourceDefinition 
 `ecrec local` and the Kubernetes operator can never disagree about what a job means.
 
 The spec also holds the fields only Kubernetes uses (`KUBERNETES_ONLY_FIELDS`: each role's pod settings and
-`runPolicy`); `ecrec local` accepts and ignores them. The `status` the operator writes is modelled here too
-(`JobStatus`), so the CRD's status schema, its printer columns and the operator share one definition.
+template, the servers' failure domain and `runPolicy`); `ecrec local` accepts and ignores them. The `status`
+the operator writes is modelled here too (`JobStatus`), so the CRD's status schema, its printer columns and the operator share one definition.
 
 Every validation failure is a `SpecError` whose message lists each problem on its own line as
 `spec.<camelCase path>: <reason>`.
@@ -19,6 +19,7 @@ Modules, each importing only those above it:
   errors       `SpecError`
   base         `_Section`, the base model of every section (camelCase aliases, unknown keys refused)
   pods         each role's pod settings (Kubernetes only)
+  template     each role's pod template and its rules, the operator's own names (Kubernetes only)
   sections     the spec's sections: model, data, training, roles, fault tolerance, run policy
   job          `JobSpec`, the rules across its sections, `Job`
   validation   `parse_spec`: a mapping -> `JobSpec`, or one `SpecError` listing every problem

@@ -132,7 +132,10 @@ def _column(name: str, type_: str, path: str, description: str, priority: int = 
 # writes (status.stepText, status.serversText): a printer column cannot compute them.
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     _column(
-        "Phase", "string", ".status.phase", "Pending, Running, Degraded, Recovering, Succeeded or Failed"
+        "Phase",
+        "string",
+        ".status.phase",
+        "Pending, Running, Degraded, Recovering, Checking, Succeeded, Failed or Suspended",
     ),
     _column(
         "Step", "string", ".status.stepText", "Training steps done by the slowest worker / steps per worker"

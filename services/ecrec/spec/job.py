@@ -29,6 +29,7 @@ from ecrec.spec.sections import (
     TrainingSpec,
     WorkersSpec,
 )
+from ecrec.spec.template import label_key_problem, label_value_problem, template_problems, toleration_problems
 
 if TYPE_CHECKING:
     from ecrec.model import ModelConfig
@@ -93,6 +94,8 @@ ROLE_SECTIONS = ("servers", "workers", "coordinator")  # the spec sections of th
 # camelCase paths below spec of the fields only the Kubernetes operator reads.
 KUBERNETES_ONLY_FIELDS: tuple[str, ...] = (
     *(f"{role}.{field}" for role in ROLE_SECTIONS for field in ROLE_POD_FIELDS),
+    "servers.failureDomain",
+    "servers.failureDomainPolicy",
     "runPolicy",
 )
 
@@ -172,16 +175,30 @@ def _pod_problems(path: str, role: ServersSpec | WorkersSpec | CoordinatorSpec) 
         limit = res.limits.get(name)
         if limit is not None and parse_quantity(request) > parse_quantity(limit):
             out.append(f"{path}.resources.requests.{name}: {request} exceeds the limit {limit}")
-    for i, t in enumerate(role.tolerations):
-        at = f"{path}.tolerations[{i}]"
-        if t.operator == "Exists" and t.value:
-            out.append(f"{at}.value: must be empty when operator is Exists")
-        if t.operator == "Equal" and not t.key:
+    out += toleration_problems(f"{path}.tolerations", role.tolerations)
+    for key, value in role.node_selector.items():
+        if (why := label_key_problem(key)) is not None:
+            out.append(f"{path}.nodeSelector.{key}: invalid key: {why}")
+        if (why := label_value_problem(value)) is not None:
+            out.append(f"{path}.nodeSelector.{key}: value {value!r} {why}")
+    out += template_problems(f"{path}.template", role.template, role.node_selector)
+    if isinstance(role, ServersSpec):
+        out += _failure_domain_problems(path, role)
+    return out
+
+
+def _failure_domain_problems(path: str, servers: ServersSpec) -> list[str]:
+    out: list[str] = []
+    if (why := label_key_problem(servers.failure_domain)) is not None:
+        out.append(f"{path}.failureDomain: invalid label key {servers.failure_domain!r}: {why}")
+    ours = (servers.failure_domain, servers.failure_domain_policy)
+    for i, c in enumerate(servers.template.spec.topology_spread_constraints):
+        if (c.topology_key, c.when_unsatisfiable) == ours:
+            # The API server refuses two constraints with the same key and whenUnsatisfiable.
             out.append(
-                f"{at}.key: required when operator is Equal (operator Exists without a key tolerates all)"
+                f"{path}.template.spec.topologySpreadConstraints[{i}]: the operator already spreads the servers "
+                f"over {c.topology_key} ({c.when_unsatisfiable}): set servers.failureDomain(Policy) instead"
             )
-        if t.toleration_seconds is not None and t.effect != "NoExecute":
-            out.append(f"{at}.tolerationSeconds: only valid with effect NoExecute")
     return out
 
 

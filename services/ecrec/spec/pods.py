@@ -92,7 +92,30 @@ ServiceAccountName = Annotated[
         "reading training data); unset = the namespace's default. ECRec's own processes need no API access",
     ),
 ]
+FailureDomain = Annotated[
+    str,
+    Field(
+        default="kubernetes.io/hostname",
+        min_length=1,
+        description=_K8S + "The node label whose values are the failure domains the servers (and spares) are "
+        "spread over: kubernetes.io/hostname (one node each, the default) or topology.kubernetes.io/zone. "
+        "More than faultTolerance.ecrec.r servers in one domain after scheduling sets the job's condition "
+        "FailureDomainsAtRisk (one domain lost would lose more shards than parity rebuilds)",
+    ),
+]
+FailureDomainPolicy = Annotated[
+    Literal["ScheduleAnyway", "DoNotSchedule"],
+    Field(
+        default="ScheduleAnyway",
+        description=_K8S + "whenUnsatisfiable of the servers' spread over failureDomain (maxSkew 1). "
+        "ScheduleAnyway (default): a preference; a 5-server job still starts on 3 nodes (2+2+1) and a "
+        "replacement server is never held back while a domain is down or full, since a job waiting for a pod "
+        "is worse than one with two shards in a domain, which FailureDomainsAtRisk reports. DoNotSchedule: a "
+        "pod that would make the spread uneven stays Pending (a replacement too, until a domain has room)",
+    ),
+]
 ROLE_POD_FIELDS = (
+    "template",
     "image",
     "imagePullPolicy",
     "resources",

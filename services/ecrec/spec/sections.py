@@ -16,6 +16,8 @@ from pydantic.alias_generators import to_camel
 from ecrec.spec.base import _Section
 from ecrec.spec.pods import (
     _K8S,
+    FailureDomain,
+    FailureDomainPolicy,
     Image,
     ImagePullPolicy,
     NodeSelector,
@@ -24,6 +26,7 @@ from ecrec.spec.pods import (
     Tolerations,
 )
 from ecrec.spec.presets import PRESETS, PresetName
+from ecrec.spec.template import Template
 
 Strategy = Literal["none", "ecrec", "checkpoint", "checknrun", "cpr"]
 Optimizer = Literal["sgd", "momentum", "adagrad", "rowwise_adagrad", "adam"]
@@ -128,12 +131,15 @@ class ServersSpec(_Section):
         "started in its place once the shard is rebuilt",
     )
     threads: PosInt = Field(default=1, description="Torch threads per server process")
+    failure_domain: FailureDomain
+    failure_domain_policy: FailureDomainPolicy
     image: Image
     image_pull_policy: ImagePullPolicy
     resources: Resources
     node_selector: NodeSelector
     tolerations: Tolerations
     service_account_name: ServiceAccountName
+    template: Template
 
 
 class WorkersSpec(_Section):
@@ -155,6 +161,7 @@ class WorkersSpec(_Section):
     node_selector: NodeSelector
     tolerations: Tolerations
     service_account_name: ServiceAccountName
+    template: Template
 
 
 class CoordinatorSpec(_Section):
@@ -185,6 +192,7 @@ class CoordinatorSpec(_Section):
     node_selector: NodeSelector
     tolerations: Tolerations
     service_account_name: ServiceAccountName
+    template: Template
 
 
 class EcrecSpec(_Section):
@@ -337,6 +345,12 @@ class FaultToleranceSpec(_Section):
 class RunPolicy(_Section):
     """The job's lifecycle on Kubernetes, as Kubeflow's RunPolicy. Kubernetes only: ecrec local ignores it."""
 
+    suspend: bool = Field(
+        default=False,
+        description="true: the job has no pods (a running job's are deleted) and its phase is Suspended, as "
+        "Kubernetes Jobs and Kueue use it; false again: the job starts over from step 0 (no strategy restores "
+        "a checkpoint at start) and startTime, hence activeDeadlineSeconds, counts from then",
+    )
     clean_pod_policy: Literal["None", "Running", "All"] = Field(
         default="Running",
         description="Which pods the operator deletes when the job has finished. Running (default, as Kubeflow's "

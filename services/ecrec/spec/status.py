@@ -15,8 +15,11 @@ from ecrec.spec.base import _Section
 
 # Checking: training is over and the operator runs the final checks (evaluation, parity); Succeeded is written
 # with their results and completionTime in one status write, so whoever waits for it finds them there.
-PHASES = ("Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed")
-Phase = Literal["Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed"]
+# Suspended: runPolicy.suspend is true and the job has no pods.
+PHASES = ("Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed", "Suspended")
+Phase = Literal[
+    "Pending", "Running", "Degraded", "Recovering", "Checking", "Succeeded", "Failed", "Suspended"
+]
 # Condition types the operator sets (Kubeflow's, plus ECRec's two degraded states); `type` is not an enum so
 # that an older CRD never refuses a newer operator's condition.
 CONDITION_TYPES = (
@@ -29,6 +32,8 @@ CONDITION_TYPES = (
     "Succeeded",
     "Failed",
     "SpecChangeIgnored",  # an edit of a started job's spec that was not applied (ecrec_operator.pinning)
+    "Suspended",  # runPolicy.suspend: the job's pods are deleted and none are created
+    "FailureDomainsAtRisk",  # more than r servers share a failure domain (servers.failureDomain)
 )
 ShardStateName = Literal["pending", "up", "failed", "recovering"]  # ecrec.core.cluster.ShardState
 RecoveryState = Literal[
@@ -50,7 +55,8 @@ class JobCondition(_Status):
     type: str = Field(
         min_length=1,
         description="Created, Running, Degraded (a server is down, its rows are served decoded), Recovering "
-        "(a replacement server is being rebuilt), Restarting (a pod is being replaced), Succeeded or Failed",
+        "(a replacement server is being rebuilt), Restarting (a pod is being replaced), Succeeded, Failed, "
+        "Suspended (runPolicy.suspend), FailureDomainsAtRisk (more than r servers share a failure domain)",
     )
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds now")
     reason: str | None = Field(
@@ -193,7 +199,7 @@ class JobStatus(_Status):
         default=None,
         description="Pending (pods starting), Running, Degraded (a server is down; its rows are decoded from "
         "the others), Recovering (a replacement server is being rebuilt while training goes on), Succeeded, "
-        "Failed (see reason)",
+        "Failed (see reason), Suspended (runPolicy.suspend: no pods)",
     )
     reason: str | None = Field(default=None, description="Why the job is in its phase, e.g. why it failed")
     conditions: list[JobCondition] | None = Field(
