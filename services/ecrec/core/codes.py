@@ -5,6 +5,7 @@ order. Its parity may hold NaN/Inf bit patterns; it is only ever moved and XORed
 arithmetic. `sum` is the paper's float32 sum code: inexact under rounding; kept to reproduce the paper and to
 measure its drift (decoders project what it decodes onto the optimizer's domain: RowOptimizer.project, and
 docs/protocol.md, "The sum code"). Zero records encode to zero under both, so padding slots cost nothing.
+`make_code` builds a code by name and r: with r = 2 parity records per stripe, ecrec.core.raid6's P + Q (xor only).
 
 Pure tensor functions: no I/O, and they run on whatever device their inputs live on.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import abc
 
 import torch
+
+from ecrec.core.raid6 import PQCode
 
 
 class Code(abc.ABC):
@@ -102,9 +105,25 @@ class SumCode(Code):
 
 CODES: dict[str, type[Code]] = {"xor": XorCode, "sum": SumCode}
 
+# Why `sum` has no r = 2 form: a second float parity must weigh the members differently (Q = Σ c_i·D_i), and two
+# lost members then come back from a 2×2 Vandermonde solve, D_x = (S_q − c_y·S_p) / (c_x − c_y). Its
+# cancellation turns the rounding of the sums over the other members into an error that nothing about D_x
+# bounds (it grows with their magnitudes and the weights), and no float construction is bit-exact.
+SUM_HAS_NO_R2 = (
+    "code 'sum' has no r = 2 form: a float Q needs a Vandermonde solve to give two lost members back, whose "
+    "rounding error is unbounded (no bit-exact float construction); use code 'xor' (P + Q over GF(2^8))"
+)
 
-def make_code(name: str) -> Code:
-    """The code called `name` ("xor" | "sum")."""
+
+def make_code(name: str, r: int = 1, k: int = 0) -> Code | PQCode:
+    """The code called `name` ("xor" | "sum") for stripes of k data records and r parity records: r = 1 the
+    codes above (k unused), r = 2 the P + Q code (ecrec.core.raid6; xor only)."""
     if name not in CODES:
         raise ValueError(f"unknown code {name!r}; valid: {', '.join(CODES)}")
-    return CODES[name]()
+    if r == 1:
+        return CODES[name]()
+    if r != 2:
+        raise ValueError(f"no code with r = {r} parity records per stripe: r is 1 or 2")
+    if name != "xor":
+        raise ValueError(SUM_HAS_NO_R2)
+    return PQCode(k)

@@ -22,7 +22,9 @@ from collections.abc import Sequence
 import torch
 
 from ecrec.core import gf256
-from ecrec.core.codes import XorCode
+
+# P is XorCode's parity, computed here on the words rather than through XorCode: codes.make_code builds this
+# code, and importing codes here would close a cycle.
 
 
 def _words(x: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,6 @@ class PQCode:
         if not 1 <= k <= gf256.ORDER:
             raise ValueError(f"the P + Q code needs 1 <= k <= {gf256.ORDER}, got k={k}")
         self.k = k
-        self._xor = XorCode()
 
     # -- parity and deltas ------------------------------------------------------------------------------
     def encode(self, members: torch.Tensor, j: int) -> torch.Tensor:
@@ -75,14 +76,14 @@ class PQCode:
         if m == 0:
             return torch.zeros(members.shape[1:], dtype=torch.float32, device=members.device)
         if j == 0:
-            return self._xor.encode(members)
+            return _xor_words(_words(members)).view(torch.float32)
         return _horner(_words(members)).view(torch.float32)
 
     def delta(self, old: torch.Tensor, new: torch.Tensor, slot: int | torch.Tensor, j: int) -> torch.Tensor:
         """What the data server holding rows `old` -> `new` [n, W] sends parity server j. `slot` is the rows'
         data slot: one int for all, or an integer tensor [n] of slots < k (a server's rows sit at different
         slots; not range-checked, which would cost a device sync)."""
-        d = self._xor.delta(old, new)
+        d = (_words(old) ^ _words(new)).view(torch.float32)
         if j == 0:
             return d
         if j != 1:
@@ -97,11 +98,13 @@ class PQCode:
 
     def apply_delta(self, parity: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """The new parity (P or Q: both take deltas by xor); inputs are not mutated."""
-        return self._xor.apply_delta(parity, delta)
+        return (_words(parity) ^ _words(delta)).view(torch.float32)
 
     def apply_delta_(self, parity_table: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> None:
         """parity_table[index] ^= delta in place, as bits; `index` must be unique (XorCode.apply_delta_)."""
-        self._xor.apply_delta_(parity_table, index, delta)
+        # Gather and scatter on the int32 view so NaN payloads are moved as bits, never as floats.
+        words = parity_table.view(torch.int32)
+        words.index_copy_(0, index, words.index_select(0, index) ^ _words(delta))
 
     # -- decode -----------------------------------------------------------------------------------------
     def decode(self, records: torch.Tensor, lost: Sequence[int] | torch.Tensor) -> torch.Tensor:
