@@ -220,23 +220,32 @@ def test_decisions_for_deltas_never_staged_leave_no_trace(served):
     assert_same(state_of(served.store), before)
 
 
+def parity_one_members(ctx) -> tuple[int, int, int]:
+    """(src, slot, wrong): the member at slot 0 of the stripe whose parity shard 1 holds at index 0, and a
+    shard that is no member of it."""
+    shards, _locs, _present = ctx.placement.stripe_members(1, torch.tensor([0]))
+    src = int(shards[0, 0])
+    return src, 0, next(s for s in range(N) if s != 1 and s != src)
+
+
+def delta_request(ctx, src: int, slot: int, index: int = 0, version: int = 1, fill: float = 0.0):
+    """One row's delta of shard src for parity server 1."""
+    return pb.DeltaRequest(
+        txn=f"w0-1/{src}.-1.0",
+        src=src,
+        index=ids_to_bytes(torch.tensor([index])),
+        slot=ids_to_bytes(torch.tensor([slot])),
+        delta=floats_to_bytes(torch.full((1, ctx.record_width), fill)),
+        version=ids_to_bytes(torch.tensor([version])),
+        parity_server=1,
+    )
+
+
 def test_deltas_only_from_shards_whose_parity_this_server_holds(served):
-    p, w = served.ctx.placement, served.ctx.record_width
-    # The stripes whose parity shard 1 holds at index 0: members by slot.
-    shards, _locs, _present = p.stripe_members(1, torch.tensor([0]))
-    src, slot = int(shards[0, 0]), 0
-    wrong = next(s for s in range(N) if s != 1 and s != src)
+    src, slot, wrong = parity_one_members(served.ctx)
 
     def batch(src_, slot_, index=0, version=1):
-        return pb.DeltaRequest(
-            txn=f"w0-1/{src_}.-1.0",
-            src=src_,
-            index=ids_to_bytes(torch.tensor([index])),
-            slot=ids_to_bytes(torch.tensor([slot_])),
-            delta=floats_to_bytes(torch.zeros(1, w)),
-            version=ids_to_bytes(torch.tensor([version])),
-            parity_server=1,
-        )
+        return delta_request(served.ctx, src_, slot_, index, version)
 
     before = state_of(served.store)
     for b, needle in [
@@ -268,21 +277,10 @@ def test_deltas_only_from_shards_whose_parity_this_server_holds(served):
 def test_delta_log_refuses_malformed_deliveries_and_the_other_commits_messages():
     s = Served(commit="deltaLog")
     try:
-        p, w = s.ctx.placement, s.ctx.record_width
-        shards, _locs, _present = p.stripe_members(1, torch.tensor([0]))
-        src, slot = int(shards[0, 0]), 0
-        wrong = next(x for x in range(N) if x != 1 and x != src)
+        src, slot, wrong = parity_one_members(s.ctx)
 
-        def batch(src_, slot_, index=0, version=1):
-            return pb.DeltaRequest(
-                txn=f"w0-1/{src_}.-1.0",
-                src=src_,
-                index=ids_to_bytes(torch.tensor([index])),
-                slot=ids_to_bytes(torch.tensor([slot_])),
-                delta=floats_to_bytes(torch.ones(1, w)),
-                version=ids_to_bytes(torch.tensor([version])),
-                parity_server=1,
-            )
+        def batch(src_, slot_, index=0, version=1):  # ones: applied, the parity record changes
+            return delta_request(s.ctx, src_, slot_, index, version, fill=1.0)
 
         def deliver(*batches, delivered=()):
             return s.stub.DeliverDeltas(

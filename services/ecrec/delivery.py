@@ -27,7 +27,7 @@ from ecrec.core.update import Part, StepUpdate
 from ecrec.faults import fault_point
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
-from ecrec.updater import Transport
+from ecrec.updater import Transport, send_deltas
 from ecrec.wire import bytes_to_ids, floats_to_bytes, ids_to_bytes
 
 # How long the first wave waits for the stages before delivering what has answered (see DeltaLogDriver.apply):
@@ -195,44 +195,13 @@ class DeltaLogDriver:
     def _deliver(
         self, staged: list[tuple[Part, list]], errors: dict
     ) -> tuple[dict[tuple[str, int], torch.Tensor], set[int]]:
-        """DeliverDeltas to every live parity server at once. Returns the refused rows, by (txn, parity
-        server), and the live servers that did not answer (their parts are delivered again)."""
-        by_server: dict[int, list] = {}
-        for _part, deltas in staged:
-            for d in deltas:
-                by_server.setdefault(d.parity_server, []).append(d)
-        refused: dict[tuple[str, int], torch.Tensor] = {}
-        undelivered: set[int] = set()
-        for _try in range(3):
-            calls = []
-            for server, batches in by_server.items():
-                if self.client.failed(server):
-                    continue  # its parity is re-encoded from the data rows when it is rebuilt
-                for d in batches:
-                    self.client.metrics.of(self.client.metrics.bytes_sent, kind="delta").inc(len(d.delta))
-                req = pb.StageDeltasRequest(epoch=self.client.epoch, batches=batches)
-                calls.append((server, self.client.call(server, "DeliverDeltas", req)))
-            retry = {}
-            for server, fut in calls:
-                try:
-                    resp = fut.result()
-                except grpc.RpcError as e:
-                    if e.code() not in RETRYABLE:
-                        raise ServerUnavailable(server, e) from e
-                    if e.code() in UNREACHABLE:
-                        self.client.report_failure(server)
-                        if not self.client.failed(server):
-                            retry[server] = by_server[server]
-                    else:
-                        errors[server] = e
-                        undelivered.add(server)
-                    continue
-                for r in resp.refused:
-                    refused[(r.txn, server)] = bytes_to_ids(r.index)
-            if not retry:
-                return refused, undelivered
-            by_server = retry
-        return refused, undelivered | set(by_server)
+        """DeliverDeltas to every live parity server at once (updater.send_deltas). Returns the refused rows,
+        by (txn, parity server), and the live servers that did not answer (their parts are delivered again)."""
+        answers, undelivered = send_deltas(self.client, staged, "DeliverDeltas", errors)
+        refused = {
+            (r.txn, server): bytes_to_ids(r.index) for server, resp in answers.items() for r in resp.refused
+        }
+        return refused, undelivered
 
     def _applied(self, part: Part, g: torch.Tensor, refused: dict) -> torch.Tensor:
         """Which of the part's rows are applied: all but those a parity server refused."""

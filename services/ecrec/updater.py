@@ -52,6 +52,50 @@ class Transport(Protocol):
     def note_degraded(self, kind: str, shard: int, rows: int) -> None: ...
 
 
+def send_deltas(
+    client: Transport, staged: list[tuple[Part, list]], method: str, errors: dict
+) -> tuple[dict[int, Any], set[int]]:
+    """Send each parity server its batches of the `staged` parts, [(part, deltas)], in one `method` call
+    (StageDeltas under rowLocks, DeliverDeltas under deltaLog), all at once. A failed server is skipped: its
+    parity is re-encoded from the data rows when it is rebuilt. One that does not answer is reported; if the
+    coordinator's probe finds it alive it is sent its batches again (a re-delivery replaces, not adds), up to
+    three tries. Returns the answers by server and the live servers that never answered (their errors in
+    `errors`): their parts are delivered again on the next pass."""
+    by_server: dict[int, list] = {}
+    for _part, deltas in staged:
+        for d in deltas:
+            by_server.setdefault(d.parity_server, []).append(d)
+    answers: dict[int, Any] = {}
+    undelivered: set[int] = set()
+    for _try in range(3):
+        calls = []
+        for server, batches in by_server.items():
+            if client.failed(server):
+                continue
+            for d in batches:
+                client.metrics.of(client.metrics.bytes_sent, kind="delta").inc(len(d.delta))
+            req = pb.StageDeltasRequest(epoch=client.epoch, batches=batches)
+            calls.append((server, client.call(server, method, req)))
+        retry = {}
+        for server, fut in calls:
+            try:
+                answers[server] = fut.result()
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise ServerUnavailable(server, e) from e
+                if e.code() in UNREACHABLE:
+                    client.report_failure(server)
+                    if not client.failed(server):
+                        retry[server] = by_server[server]
+                else:
+                    errors[server] = e
+                    undelivered.add(server)
+        if not retry:
+            return answers, undelivered
+        by_server = retry
+    return answers, undelivered | set(by_server)
+
+
 class LockedDecisions:
     """The core's DecisionQueue, shared by threads: the update thread queues and takes, any thread may flush
     (a new map of a failure flushes at once). Its lock guards the queue alone and is held only for one
@@ -147,7 +191,7 @@ class UpdateDriver:
             self._await_decisions_alone(alone)
             fault_point("worker:after_stage")
             # (2) deltas
-            undelivered = self._deliver_deltas(staged, errors)
+            _answers, undelivered = send_deltas(self.client, staged, "StageDeltas", errors)
             ready = []
             for part, deltas in staged:
                 if undelivered & {d.parity_server for d in deltas}:
@@ -203,41 +247,6 @@ class UpdateDriver:
         self.client.report_failure(part.target)
         if not self.client.failed(part.target):
             self._abort_part(part)  # alive: it may have staged; undo that before retrying
-
-    def _deliver_deltas(self, staged: list[tuple[Part, list]], errors: dict) -> set[int]:
-        """StageDeltas to every parity server at once; returns the live servers that did not get theirs."""
-        by_server: dict[int, list] = {}
-        for _part, deltas in staged:
-            for d in deltas:
-                by_server.setdefault(d.parity_server, []).append(d)
-        undelivered: set[int] = set()
-        for _try in range(3):
-            calls = []
-            for server, batches in by_server.items():
-                if self.client.failed(server):
-                    continue  # its parity is re-encoded from the data rows when it is rebuilt
-                for d in batches:
-                    self.client.metrics.of(self.client.metrics.bytes_sent, kind="delta").inc(len(d.delta))
-                req = pb.StageDeltasRequest(epoch=self.client.epoch, batches=batches)
-                calls.append((server, self.client.call(server, "StageDeltas", req)))
-            undelivered, retry = set(), {}
-            for server, fut in calls:
-                try:
-                    fut.result()
-                except grpc.RpcError as e:
-                    if e.code() not in RETRYABLE:
-                        raise ServerUnavailable(server, e) from e
-                    if e.code() in UNREACHABLE:
-                        self.client.report_failure(server)
-                        if not self.client.failed(server):
-                            retry[server] = by_server[server]  # alive: a re-delivery replaces, not adds
-                    else:
-                        errors[server] = e
-                        undelivered.add(server)
-            if not retry:
-                return undelivered
-            by_server = retry
-        return undelivered | set(by_server)
 
     def _commit_outcome(self, part: Part, fut: Future, retries: Retries) -> str:
         """committed, aborted, or gone (the target died or was replaced after its stage was answered).
