@@ -43,8 +43,7 @@ def merge(pod: dict, template: PodTemplate, spread: dict | None = None) -> dict:
     meta, spec = pod["metadata"], pod["spec"]
     container = spec["containers"][0]
     t = template.spec
-    # Beneath the operator's own labels (they are how it finds its pods), above the config's jobPods.labels.
-    meta["labels"] = {**template.metadata.labels, **meta.get("labels", {})}
+    # Labels are merged by render.pod (above the config's jobPods.labels, beneath the operator's own).
     meta["annotations"] = {**template.metadata.annotations, **meta.get("annotations", {})}
     if t.node_selector:
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), **t.node_selector}
