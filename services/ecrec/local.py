@@ -514,7 +514,9 @@ def run_local(
         extra["rpcs_served"] = rpcs_served(served_by, scraped)
         extra["server_load"] = server_load(served_by, status.get("serverCpuSeconds") or {}, scraped)
         extra["parts_expired"] = parts_expired(scraped)
-        extra["stripes_read_again"] = store_counter(scraped, "ecrec_server_stripes_read_again")
+        extra["stripes_read_again"] = sum(  # one series per server (label shard)
+            _sum_over_servers(scraped, "ecrec_server_stripes_read_again", "_total", "shard").values()
+        )
         client = PSClient(ctx, cluster.coordinator.cluster())
         try:  # evaluation, the digest, the parity check (posted for the coordinator's /metrics), ...
             found = finalchecks.check(client, coordinator=cluster.coordinator, report=True)
@@ -627,18 +629,6 @@ def parts_expired(scraped: dict[int, list]) -> dict[str, int]:
     known (worker_gone: the coordinator said so; timeout: txnTimeoutSeconds), summed over servers."""
     return {"worker_gone": 0, "timeout": 0} | _sum_over_servers(
         scraped, "ecrec_server_parts_expired", "_total", "reason"
-    )
-
-
-def store_counter(scraped: dict[int, list], family: str) -> int:
-    """An unlabelled server counter (StoreCollector's), summed over the live servers."""
-    return sum(
-        int(sample.value)
-        for families in scraped.values()
-        for f in families
-        if f.name == family.removesuffix("_total")
-        for sample in f.samples
-        if sample.name.endswith("_total")
     )
 
 
