@@ -162,6 +162,27 @@ def test_deltas_delivered_before_the_failure_count_and_are_not_written_twice(ctx
     assert_same_model(logical_model(rebuilt(net)), logical_model(reference(ctx, [("w0-1/1.-1.0", g, a)])))
 
 
+def test_a_delivery_asked_again_after_its_data_server_failed_is_refused_only_where_it_was_not_applied(ctx):
+    # The worker did not hear the first answer and asks again once the data server has failed: a batch
+    # applied then is not refused now (written again, it would be applied twice); one never seen is.
+    net, g = Net(ctx), rows(ctx)
+    a = grads(ctx, g, 1)
+    _, da = stage(net, "w0-1/1.-1.0", g, a)
+    first = da[0].parity_server
+    assert deliver(net, [b for b in da if b.parity_server == first]) == []  # its answer is lost
+    net.kill(S)
+    # asked again, every parity server: only those that never saw the batch refuse it, whole
+    refused = {b.parity_server: deliver(net, [b], wait=True) for b in da}
+    assert refused[first] == []
+    assert all(sum(r[2].numel() for r in refused[b.parity_server]) == b.index.numel() for b in da[1:])
+    p = ctx.placement
+    pserver, _ = p.parity_of(S, p.local_row(g))
+    again = pserver != first
+    write_again(net, "w0-1/1.-1.0", g[again], a[again])
+    assert_same_model(logical_model(rebuilt(net)), logical_model(reference(ctx, [("w0-1/1.-1.0", g, a)])))
+    assert_consistent(net)
+
+
 def test_held_deltas_of_a_server_that_fails_are_refused_to_their_deliverer(ctx):
     # Worker 1's update builds on worker 0's; worker 1 delivers first (held), then the data server dies and
     # worker 0's delivery is refused. Worker 1 must learn its held rows were dropped, or its update is lost.

@@ -4,7 +4,8 @@
 applies it at once and answers with the deltas for its parity servers; a degraded write is complete when it
 is answered. (2) Deliver the deltas, one message per parity server for all parts; a parity server answers
 once it has applied them, naming any rows it refused because their data server was declared failed or
-replaced first — those rows are written again on the next pass, as degraded writes. A part whose deltas
+replaced first — those rows are written again on the next pass, as degraded writes. A parity server that
+did not answer is asked again before its rows go anywhere else (it may have applied them). A part whose deltas
 all arrived is done; the worker's next stage at its data server says so (`delivered`), and the server
 forgets it. Nothing is locked across the two rounds; a retried part keeps its txn, so its server answers it
 from its log instead of applying it twice.
@@ -77,11 +78,18 @@ class DeltaLogDriver:
         holders = [ctx.dense_holders(c) for c in range(ctx.num_servers)]
         update = StepUpdate(step, ctx.placement, g, holders, stable_txns=True)
         retries = Retries(f"update {step}", self.client.progress_timeout)
+        unanswered: list[tuple[Part, list]] = []  # deltas a live parity server has not answered for
         while True:
-            parts = update.plan(self.client.view())
-            if not parts:
-                return
             errors: dict[int, grpc.RpcError] = {}
+            if unanswered:
+                # Asked again before anything else, under the current map: rows it applied are done, rows it
+                # refuses are written again. Written again before it answers, they could be applied twice
+                # (it may have applied them, and their data server may be failed now: a degraded write at
+                # the acting home decodes a record that holds them).
+                unanswered = self._deliver_wave(unanswered, g, update, retries, errors, again=True)
+            parts = update.plan(self.client.view())
+            if not parts and not unanswered:
+                return
             futs = []
             for part in parts:
                 acks = self.acks.take(part.target)
@@ -104,7 +112,7 @@ class DeltaLogDriver:
                 waiting = [w for w in waiting if w[2] not in done]
                 staged = self._staged(ready, update, retries, errors, unreachable)
                 if staged:
-                    self._deliver_wave(staged, g, update, retries, errors)
+                    unanswered += self._deliver_wave(staged, g, update, retries, errors)
             fault_point("worker:after_deliver")
             # Only now: the coordinator's probe of an unreachable server takes a while, and until the
             # deltas above arrive, their stripes cannot be decoded by anyone (degraded reads, rebuilds).
@@ -112,7 +120,7 @@ class DeltaLogDriver:
                 self.client.report_failure(server)
             for server, e in errors.items():
                 self.client.recover_from(server, e)
-            if update.finished(self.client.view()):
+            if not unanswered and update.finished(self.client.view()):
                 return
             retries.check()
             time.sleep(retries.backoff())
@@ -146,20 +154,46 @@ class DeltaLogDriver:
         fault_point("worker:after_stage")
         return staged
 
-    def _deliver_wave(self, staged: list, g, update: StepUpdate, retries: Retries, errors: dict) -> None:
+    def _deliver_wave(
+        self, staged: list, g, update: StepUpdate, retries: Retries, errors: dict, again: bool = False
+    ) -> list[tuple[Part, list]]:
+        """Deliver the deltas of `staged` parts and take the answers: rows applied are done, rows refused are
+        planned again. Returns (part, deltas) of the parity servers that did not answer: whether they applied
+        them is unknown, so their rows wait (StepUpdate.rows_unanswered) until they are asked `again`; then
+        only those servers' rows are spoken for."""
         refused, undelivered = self._deliver(staged, errors)
+        unanswered = []
         for part, deltas in staged:
-            if undelivered & {d.parity_server for d in deltas}:
-                continue  # delivered again on the next pass (the stage is answered from the log)
-            applied = self._applied(part, g, refused)
-            update.rows_applied(part, applied)
-            retries.progress()
-            if bool(applied.all()):
+            asked = {d.parity_server for d in deltas}
+            late = undelivered & asked
+            mine = [(server, idx) for (txn, server), idx in refused.items() if txn == part.txn]
+            if not (again or late or mine):  # the usual case: every row applied
+                update.rows_applied(part, torch.ones(part.pos.numel(), dtype=torch.bool))
+                retries.progress()
+            else:
+                p = self.ctx.placement
+                pserver, pindex = p.parity_of(part.target, p.local_row(g[part.pos]))
+                scope = (
+                    torch.isin(pserver, _ids(asked)) if again else torch.ones_like(pserver, dtype=torch.bool)
+                )
+                wait = scope & torch.isin(pserver, _ids(late))
+                answered = scope & ~wait
+                for server, idx in mine:
+                    answered &= ~((pserver == server) & torch.isin(pindex, idx))
+                update.rows_applied(part, answered)  # what is left of the answered rows: applied
+                update.rows_unanswered(part, scope & ~wait, waiting=False)
+                if late:
+                    update.rows_unanswered(part, wait)
+                    unanswered.append((part, [d for d in deltas if d.parity_server in late]))
+                if bool(answered.any()):
+                    retries.progress()
+            if bool(update.rows_done[part.pos].all()):
                 # Only then: a part retried at the same server (the worker's map lagging behind the parity
                 # server's) must still be answered with its deltas.
                 self.acks.add(part.target, part.txn)
         if refused:
             self.client.refresh()  # a data server is failed or replaced: plan with the new map
+        return unanswered
 
     def flush_decisions(self) -> None:
         """Send the acknowledgements no stage will carry (the worker stops, or the map changed) on their own.
@@ -203,13 +237,6 @@ class DeltaLogDriver:
         }
         return refused, undelivered
 
-    def _applied(self, part: Part, g: torch.Tensor, refused: dict) -> torch.Tensor:
-        """Which of the part's rows are applied: all but those a parity server refused."""
-        mask = torch.ones(part.pos.numel(), dtype=torch.bool)
-        mine = [(server, idx) for (txn, server), idx in refused.items() if txn == part.txn]
-        if mine:
-            p = self.ctx.placement
-            pserver, pindex = p.parity_of(part.target, p.local_row(g[part.pos]))
-            for server, idx in mine:
-                mask &= ~((pserver == server) & torch.isin(pindex, idx))
-        return mask
+
+def _ids(servers) -> torch.Tensor:
+    return torch.tensor(sorted(servers), dtype=torch.int64)

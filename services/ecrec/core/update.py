@@ -138,6 +138,9 @@ class StepUpdate:
         self.step, self.placement, self.g = step, placement, g.reshape(-1)
         self.dense_holders = [tuple(h) for h in dense_holders]
         self.rows_done = torch.zeros(self.g.numel(), dtype=torch.bool)
+        # deltaLog: rows whose deltas some live parity server may or may not have applied (its answer did not
+        # come). Not planned again until it says: written again elsewhere, they could be applied twice.
+        self.rows_waiting = torch.zeros(self.g.numel(), dtype=torch.bool)
         self.dense_done: list[set[tuple[int, int]]] = [set() for _ in self.dense_holders]
         self.attempt = 0
         # commit: deltaLog applies a part when it is staged, so a retry must reach its server under the same
@@ -164,7 +167,7 @@ class StepUpdate:
             return []
         p, attempt = self.placement, self.attempt
         self.attempt += 1
-        todo = (~self.rows_done).nonzero().reshape(-1)
+        todo = (~(self.rows_done | self.rows_waiting)).nonzero().reshape(-1)
         parts: dict[tuple[int, int], Part] = {}
         for s, pos, local in p.group_by_shard(self.g[todo]):
             pos = todo[pos]
@@ -192,6 +195,11 @@ class StepUpdate:
     def rows_applied(self, part: Part, mask: torch.Tensor) -> None:
         """Some of the part's rows are applied (deltaLog: their deltas reached every live parity server)."""
         self.rows_done[part.pos[mask]] = True
+
+    def rows_unanswered(self, part: Part, mask: torch.Tensor, waiting: bool = True) -> None:
+        """deltaLog: whether the part's rows under `mask` wait for a parity server's answer about their deltas
+        (`plan` leaves them out until it comes)."""
+        self.rows_waiting[part.pos[mask]] = waiting
 
     def dense_applied(self, part: Part) -> None:
         """The part's dense chunks are applied at its target (deltaLog: when it is staged)."""

@@ -9,6 +9,9 @@ Why it is safe (the cut a failure finds is consistent, and every update lands ex
   refused (`deliver`): their rows are written again by their worker, as degraded writes at the acting home.
   Held deltas of that incarnation (waiting for a predecessor that will now be refused) are dropped, and
   their deliverer is told which rows (`refused`), so those are written again too.
+- A delivery whose answer did not reach its worker is asked again, never written elsewhere first: a batch
+  accepted here is not refused later (`accepted`), so rows applied once are not written again when their
+  data server has failed in between.
 - A worker that dies before delivering leaves its parts in the data server's log; the server forwards them
   itself once the worker is known gone or the txnTimeout passes (`forward_due`). A parity server skips a
   delta its record already reflects, so a part delivered twice lands once.
@@ -29,6 +32,8 @@ from ecrec.faults import fault_point
 from ecrec.store.state import Busy, StoreState
 
 REFUSED_KEPT = 4096  # (txn, src) whose dropped rows are remembered for their deliverer
+# (txn, src) of accepted batches remembered: a worker asks again within a few passes of the first delivery.
+ACCEPTED_KEPT = 16384
 
 
 class LoggedUpdates(StoreState):
@@ -123,14 +128,27 @@ class LoggedUpdates(StoreState):
         refused: list[tuple[str, int, torch.Tensor]] = []
         with self.lock:
             self.deltalog.ack(delivered)
-            accepted = []
+            accepted, again = [], []
             for b in batches:
                 self._settle_src(b.src)
-                if self._refuses(b):
+                key = (b.txn, b.src, b.incarnation)  # a replacement may apply the same txn anew
+                if key in self.accepted:
+                    # Delivered before (its answer was lost, or another server's was): applied then, or
+                    # held, and dropped (named in `refused`) if its data server has failed since. Never
+                    # refused whole now: a worker that wrote its rows again would apply them twice.
+                    self.accepted.move_to_end(key)
+                    again.append(b)
+                    if not self._refuses(b):
+                        self.parity.apply(b)  # rows already reflected are skipped
+                elif self._refuses(b):
                     refused.append((b.txn, b.src, b.index))
                 else:
                     self.parity.apply(b)
                     accepted.append(b)
+                    self.accepted[key] = None
+                    if len(self.accepted) > ACCEPTED_KEPT:
+                        self.accepted.popitem(last=False)
+            accepted += again
             self.cond.notify_all()
         fault_point("delta:after_stage")
         with self.lock:

@@ -158,12 +158,15 @@ class StoreState:
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         # commit: deltaLog (ecrec.store.logged): parts applied here whose deltas the worker has not said it
         # delivered; per data server, the incarnation whose held deltas this parity server keeps; rows of
-        # delivered batches dropped unapplied, by (txn, src), until their deliverer asks.
+        # delivered batches dropped unapplied, by (txn, src), until their deliverer asks; the (txn, src,
+        # incarnation) of batches accepted here lately (a re-delivery after their data server failed is not
+        # refused).
         ec = ctx.spec.fault_tolerance
         self.logged = ec.strategy == "ecrec" and ec.ecrec.two_phase_commit and ec.ecrec.commit == "deltaLog"
         self.deltalog = DeltaLog()
         self.held_from: dict[int, int] = {}
         self.refused: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self.accepted: OrderedDict[tuple[str, int, int], None] = OrderedDict()
         self.stats = {
             "degraded_rows": 0,
             "buffered": 0,

@@ -1,0 +1,218 @@
+"""The worker's driver of commit: deltaLog (ecrec.delivery.DeltaLogDriver) over tests/netsim.py's stores, with
+the messages and answers of gRPC (protobufs, RpcErrors) but no sockets: every row applied exactly once when a
+parity server's answer does not come while the data server fails.
+
+The race CI found (tests/test_coordinator_failover.py, two flaky cases): a step's deltas from data server S
+reached parity server A, which applied them before it learned that S had failed, while parity server B,
+which had learned it, refused the whole delivery (a stale epoch). The driver took the part as undelivered,
+and once its map had S failed it wrote every row of the part again, as degraded writes at the acting homes:
+A's rows were applied twice (params_sha256 off, parity still exact).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import grpc
+import pytest
+import torch
+
+from ecrec.core.txn import DeltaBatch
+from ecrec.core.update import MapView
+from ecrec.delivery import DeltaLogDriver
+from ecrec.metrics import Metrics
+from ecrec.proto import ecrec_pb2 as pb
+from ecrec.server import delta_message
+from ecrec.wire import bytes_to_floats, bytes_to_ids, ids_to_bytes
+from tests.conftest import make_ctx
+from tests.netsim import WORKER, Net, assert_same_model, logical_model, parity_check
+
+N, K = 5, 4
+S = 1  # the data server whose part is caught in the race
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class NetTransport:
+    """The part of PSClient the driver uses (updater.Transport), over a Net: this worker's map is a copy that
+    lags behind the Net's until it refreshes; `before_deliver[server]` runs before a DeliverDeltas reaches
+    `server` and may raise an RpcError as its answer."""
+
+    timeout = 5.0
+    progress_timeout = 10.0
+
+    def __init__(self, net: Net):
+        self.net, self.ctx = net, net.ctx
+        self.metrics = Metrics("t", "worker", "0")
+        self.stubs: dict = {}
+        self.before_deliver: dict = {}
+        self.map = net.view()
+        self.degraded_writes = 0
+
+    @property
+    def epoch(self) -> int:
+        return self.map.epoch
+
+    def refresh(self) -> None:
+        self.map = self.net.view()
+
+    def view(self) -> MapView:
+        return self.map
+
+    def failed(self, shard: int) -> bool:
+        return self.map.failed(shard)
+
+    def degraded(self) -> bool:
+        return bool(self.map.failed_shards)
+
+    def report_failure(self, shard: int) -> None:
+        self.refresh()
+
+    def recover_from(self, shard: int, err: grpc.RpcError) -> None:
+        self.refresh()
+
+    def note_degraded(self, kind: str, shard: int, rows: int) -> None:
+        self.degraded_writes += rows
+
+    def call(self, shard: int, method: str, request) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(getattr(self, method)(shard, request))
+        except grpc.RpcError as e:
+            fut.set_exception(e)
+        return fut
+
+    def Stage(self, shard: int, req) -> pb.StageResponse:
+        g = bytes_to_ids(req.ids)
+        grads = bytes_to_floats(req.grads, g.numel(), self.ctx.dim, "grads").clone()
+        dense = {
+            c: torch.frombuffer(bytearray(buf), dtype=torch.float32)
+            for c, buf in zip(req.dense_chunks, req.dense_grads, strict=True)
+        }
+        n, batches = self.net.call(
+            WORKER, shard, "apply_part", req.txn, g, grads, req.src, dense, req.epoch, list(req.delivered)
+        )
+        return pb.StageResponse(staged=n, deltas=[delta_message(b) for b in batches])
+
+    def DeliverDeltas(self, shard: int, req) -> pb.DeliverResponse:
+        hook = self.before_deliver.pop(shard, None)
+        if hook is not None:
+            hook()
+        store = self.net[shard]
+        if req.epoch < store.epoch:
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {req.epoch}")
+        batches = [
+            DeltaBatch(
+                shard,
+                b.txn,
+                b.src,
+                bytes_to_ids(b.index),
+                bytes_to_ids(b.slot),
+                bytes_to_floats(b.delta, len(b.index) // 8, self.ctx.record_width, "delta").clone(),
+                bytes_to_ids(b.version),
+                b.incarnation,
+            )
+            for b in req.batches
+        ]
+        refused = self.net.call(WORKER, shard, "deliver", batches, True, list(req.delivered))
+        return pb.DeliverResponse(
+            refused=[pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
+        )
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return make_ctx(
+        "delivery",
+        faultTolerance__strategy="ecrec",
+        servers__replicas=N,
+        faultTolerance__ecrec__k=K,
+        faultTolerance__ecrec__commit="deltaLog",
+    )
+
+
+def rows_and_grads(ctx, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 rows of shard S over every stripe slot (so over k parity servers), and their gradients."""
+    g = ctx.placement.global_id(S, torch.arange(12) * 3)
+    return g, torch.randn(g.numel(), ctx.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def dense_grad(ctx) -> torch.Tensor:
+    return torch.full((ctx.dense_bounds[-1][1],), 0.01)
+
+
+def undisturbed(ctx, steps) -> Net:
+    net = Net(ctx)
+    driver = DeltaLogDriver(NetTransport(net))
+    for step, g, gr in steps:
+        driver.apply(step, g, gr, dense_grad(ctx))
+    return net
+
+
+def test_a_part_whose_failure_one_parity_server_learned_first_is_applied_once(ctx):
+    net = Net(ctx)
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    g, a = rows_and_grads(ctx, 1)
+    driver.apply("w0-1", g, a, dense_grad(ctx))  # rows at version 1 everywhere
+    g, b = rows_and_grads(ctx, 2)
+    p = ctx.placement
+    pserver, _ = p.parity_of(S, p.local_row(g))
+    first, second = sorted(pserver.unique().tolist())[:2]
+
+    # The step's deltas reach `first` (applied), then S dies and `second` hears of it before the delivery
+    # arrives: it refuses the message (stale epoch) while this worker's map still has S up.
+    transport.before_deliver[second] = lambda: net.kill(S)
+    driver.apply("w0-2", g, b, dense_grad(ctx))
+
+    # `first`'s rows were applied by the delivery; the rest were written at their acting homes.
+    assert transport.degraded_writes == int((pserver != first).sum())
+    net.replace(S)
+    net.recover(S, lock_group_rows=64)
+    assert parity_check(net)["mismatches"] == 0
+    want = undisturbed(ctx, [("w0-1", g, a), ("w0-2", g, b)])
+    assert_same_model(logical_model(net), logical_model(want))
+
+
+def test_a_delivery_whose_answer_was_lost_is_asked_again_and_never_written_twice(ctx):
+    # `second` applied the deltas, but its answer never came; S dies meanwhile. Asked again, `second` says
+    # it has them (it does not refuse a batch it accepted): written again, they would be applied twice.
+    net = Net(ctx)
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    g, a = rows_and_grads(ctx, 3)
+    p = ctx.placement
+    pserver, _ = p.parity_of(S, p.local_row(g))
+    second = sorted(pserver.unique().tolist())[1]
+    real = transport.DeliverDeltas
+    late: set[int] = set()  # parity servers whose delivery came after S died: they refuse it
+
+    def lost_answer(shard: int, req):
+        if S in net.failed:
+            late.add(shard)
+            return real(shard, req)
+        if shard != second:
+            return real(shard, req)
+        real(shard, req)  # applied there
+        net.kill(S)
+        raise Refusal(grpc.StatusCode.ABORTED, "busy: the answer did not come")
+
+    transport.DeliverDeltas = lost_answer
+    driver.apply("w0-1", g, a, dense_grad(ctx))
+    # Only the rows refused at their first delivery are written again; `second`'s, asked again, are not.
+    assert second in late
+    first_time = late - {second}
+    assert transport.degraded_writes == int(torch.isin(pserver, torch.tensor(sorted(first_time))).sum())
+    net.replace(S)
+    net.recover(S, lock_group_rows=64)
+    assert parity_check(net)["mismatches"] == 0
+    assert_same_model(logical_model(net), logical_model(undisturbed(ctx, [("w0-1", g, a)])))
