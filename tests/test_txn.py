@@ -306,6 +306,42 @@ def test_a_row_update_committed_ahead_of_its_predecessor_waits_for_it():
     assert torch.equal(bits(pp.parity), bits(want))
 
 
+def test_held_rows_apply_as_soon_as_their_predecessor_does_and_the_marks_of_held_rows_follow_them():
+    pp = parity_participant()
+    before = pp.parity.clone()
+    ahead = [batch(f"a{i}", 2, index=[i], slot=[3], version=[2], seed=20 + i) for i in range(3)]
+    for b in ahead:
+        assert pp.apply(b) is False  # each waits for its row's version 1
+    assert len(pp.held) == 3 and int(pp._held_keys.sum()) == 3
+    other = batch("o", 3, index=[0], slot=[0], version=[1], seed=30)  # another member of a held row's record
+    assert pp.apply(other) is True
+    assert len(pp.held) == 3 and int(pp._held_keys.sum()) == 3  # not a held row: nothing of them applies
+    first = batch("p1", 2, index=[1], slot=[3], version=[1], seed=31)
+    assert pp.apply(first) is True
+    assert [h.txn for h in pp.held] == ["a0", "a2"] and int(pp._held_keys.sum()) == 2
+    want = before
+    for b in (other, first, ahead[1]):
+        want = xor_rows(want, b.index, b.delta)
+    assert torch.equal(bits(pp.parity), bits(want)) and pp.pver[1].tolist() == [0, 0, 0, 2]
+    # Dropped with their server (it failed): nothing is marked held any more.
+    assert [h.txn for h in pp.drop_held(2)] == ["a0", "a2"]
+    assert pp.held == [] and not bool(pp._held_keys.any())
+
+
+def test_a_data_participant_applies_a_part_at_once_as_stage_and_commit_would():
+    staged, applied = data_participant(seed=3), data_participant(seed=3)
+    local, grads = rows(0, 5, 9), grads_for(3, seed=4)
+    part = staged.stage("t1", local, grads, now=0.0)
+    staged.commit("t1")
+    batches = applied.apply("t1", local, grads)
+    assert torch.equal(bits(applied.records), bits(staged.records))
+    assert torch.equal(applied.versions, staged.versions)
+    assert [(b.parity_server, bits(b.delta).tolist(), b.version.tolist()) for b in batches] == [
+        (b.parity_server, bits(b.delta).tolist(), b.version.tolist()) for b in part.batches
+    ]
+    assert not applied.locks.busy(local) and applied.staged == {}
+
+
 def test_a_later_delta_of_the_same_row_from_the_same_server_proves_the_earlier_one_committed():
     pp = parity_participant()
     pp.stage(batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1], seed=13))

@@ -65,6 +65,8 @@ class RowLocks:
         self._next = 0
 
     def busy(self, rows: torch.Tensor, txn: str | None = None) -> bool:
+        if not self._ids or (len(self._ids) == 1 and txn in self._ids):
+            return False  # nobody else holds a lock (under deltaLog, the usual case: only rebuilds lock)
         owners = self.owner.index_select(0, rows)
         mine = self._ids.get(txn, -2) if txn is not None else -2
         return bool(((owners != self.FREE) & (owners != mine)).any())
@@ -137,6 +139,19 @@ class DataParticipant:
         self.staged[txn] = part
         return part
 
+    def apply(self, txn: str, rows: torch.Tensor, grads: torch.Tensor) -> list[DeltaBatch]:
+        """Stage and commit in one (commit: deltaLog), without taking locks: the caller has made sure no lock
+        holds `rows`. Returns the deltas for the parity servers."""
+        old = self.records.index_select(0, rows)
+        new = self.optimizer.apply(old, grads)
+        version = self.versions.index_select(0, rows) + 1
+        batches = self.delta_batches(txn, rows, self.code.delta(old, new), version)
+        self.records.index_copy_(0, rows, new)
+        self.versions.index_copy_(0, rows, version)
+        if self.on_commit is not None:
+            self.on_commit(rows)
+        return batches
+
     def delta_batches(
         self, txn: str, rows: torch.Tensor, delta: torch.Tensor, version: torch.Tensor
     ) -> list[DeltaBatch]:
@@ -205,6 +220,11 @@ class ParityParticipant:
             self.ready = torch.ones(self.parity.shape[0], dtype=torch.bool)
         # Every record rebuilt (the usual case): `apply` skips its per-row check. Only install sets rows ready.
         self._all_ready = bool(self.ready.all())
+        # (record, member) keys that have a held row: only an update of one of those can let a held row apply,
+        # so an update elsewhere skips the retry of every held batch (on hot rows, with several workers, held
+        # batches are many, and each retry costs a few tensor ops). May be True where nothing is held any
+        # more; never False where something is.
+        self._held_keys = torch.zeros(self.pver.numel(), dtype=torch.bool)
 
     def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
         """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
@@ -258,6 +278,7 @@ class ParityParticipant:
         dropped = [h for h in self.held if h.src == src]
         if dropped:
             self.held = [h for h in self.held if h.src != src]
+            self._mark_held()
         return dropped
 
     def proves_commit(self, txn: str, src: int, exclude: Collection[str] = ()) -> bool:
@@ -312,6 +333,7 @@ class ParityParticipant:
             if bool(fill.any()):
                 kept.append(_rows(h, fill))
         self.held = kept
+        self._mark_held()
         return dropped
 
     def commit(self, txn: str, src: int) -> str:
@@ -366,21 +388,21 @@ class ParityParticipant:
         self._resolve(key, "aborted")
         return "aborted"
 
-    def apply(self, b: DeltaBatch) -> None:
+    def apply(self, b: DeltaBatch) -> bool:
         """Apply one committed delta batch: rows whose record is not rebuilt yet are kept for the rebuild;
-        the others are applied in version order (see _apply_in_order)."""
+        the others are applied in version order (see _apply_in_order). True if the record now reflects
+        every row (none is held for a predecessor; kept rows count: the rebuild replays them)."""
         if self._all_ready:
-            self._apply_in_order(b)
-            return
+            return self._apply_in_order(b)
         ready = self.ready[b.index]
         if not bool(ready.all()):
             self.pending.append(_rows(b, ~ready))
             if not bool(ready.any()):
-                return
+                return True
             b = _rows(b, ready)
-        self._apply_in_order(b)
+        return self._apply_in_order(b)
 
-    def _apply_in_order(self, b: DeltaBatch) -> None:
+    def _apply_in_order(self, b: DeltaBatch) -> bool:
         """pver holds, per record and member, the version up to which every update is reflected. A delta
         the record already reflects is skipped (duplicates, replays after a rebuild); one that is next
         is applied; one further ahead is held until its predecessor is applied. Decisions for one row can
@@ -389,6 +411,7 @@ class ParityParticipant:
         flat = self.pver.view(-1)
         key = self._key(b)
         step = b.version - flat.index_select(0, key)  # 1: next; > 1: ahead of a predecessor; < 1: reflected
+        done = True
         if bool((step == 1).all()):  # the usual case, in one pass: no masks
             self.code.apply_delta_(self.parity, b.index, b.delta)
             flat.index_copy_(0, key, b.version)
@@ -396,14 +419,24 @@ class ParityParticipant:
             now, ahead = step == 1, step > 1
             if bool(ahead.any()):
                 self.held.append(_rows(b, ahead))
+                self._held_keys[key[ahead]] = True
+                done = False
             if not bool(now.any()):
-                return
+                return done
             self.code.apply_delta_(self.parity, b.index[now], b.delta[now])
-            flat[key[now]] = b.version[now]
-        if self.held:
+            key = key[now]
+            flat[key] = b.version[now]
+        if self.held and bool(self._held_keys.index_select(0, key).any()):
             held, self.held = self.held, []
+            self._held_keys.zero_()  # marked again by what stays held
             for h in held:
                 self._apply_in_order(h)
+        return done
+
+    def _mark_held(self) -> None:
+        self._held_keys.zero_()
+        for h in self.held:
+            self._held_keys[self._key(h)] = True
 
     def install(self, index: torch.Tensor, records: torch.Tensor, versions: torch.Tensor) -> None:
         """Install rebuilt parity records; replay kept deltas newer than what the rebuild reflects."""

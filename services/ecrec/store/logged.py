@@ -68,21 +68,20 @@ class LoggedUpdates(StoreState):
             self._admit_dense(dense, epoch)
             # Only a recovery lock group locks rows under deltaLog: it finishes on its own.
             self._wait(lambda: not self.rows.locks.busy(local, txn), "rows being rebuilt")
-            part = self.rows.stage(txn, local, grads, self.clock())
-            self.rows.commit(txn)
+            batches = self.rows.apply(txn, local, grads)
             step = step_of(txn)
             self.dense.stage(txn, step, dense)
             self.dense.commit(txn, step)
             # The worker stamps the deltas it delivers with this server's incarnation in its map; those
             # this server forwards itself carry the one in its own (0 while it has none: not said).
             incarnation = self._incarnation(self.shard)
-            for b in part.batches:
+            for b in batches:
                 b.incarnation = incarnation
-            self.deltalog.add(txn, local.numel(), part.batches, self.clock())
+            self.deltalog.add(txn, local.numel(), batches, self.clock())
             self._remember(txn, "committed")
             self.cond.notify_all()
         fault_point("stage:after_local")
-        return local.numel(), list(part.batches)
+        return local.numel(), list(batches)
 
     def _write_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
         """A degraded write, staged and committed in one call (this server is the rows' only writer)."""
@@ -128,7 +127,7 @@ class LoggedUpdates(StoreState):
         refused: list[tuple[str, int, torch.Tensor]] = []
         with self.lock:
             self.deltalog.ack(delivered)
-            accepted, again = [], []
+            accepted, again, held = [], [], []  # held: accepted with rows held for a predecessor
             for b in batches:
                 self._settle_src(b.src)
                 key = (b.txn, b.src, b.incarnation)  # a replacement may apply the same txn anew
@@ -143,12 +142,14 @@ class LoggedUpdates(StoreState):
                 elif self._refuses(b):
                     refused.append((b.txn, b.src, b.index))
                 else:
-                    self.parity.apply(b)
+                    if not self.parity.apply(b):
+                        held.append(b)
                     accepted.append(b)
                     self.accepted[key] = None
                     if len(self.accepted) > ACCEPTED_KEPT:
                         self.accepted.popitem(last=False)
             accepted += again
+            held += again
             self.cond.notify_all()
         fault_point("delta:after_stage")
         with self.lock:
@@ -158,7 +159,7 @@ class LoggedUpdates(StoreState):
             def applied() -> bool:  # every batch applied, or its held rows dropped (settled below)
                 return all(
                     self._refuses(b) or (b.txn, b.src) in self.refused or not self.parity.unreflected(b).any()
-                    for b in accepted
+                    for b in held
                 )
 
             self._wait(applied, "deltas held for an earlier update of their rows")
