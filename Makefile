@@ -24,6 +24,7 @@ help:
 	@echo "make k8s-build - build the Kubernetes test control plane once (cached in ~/.cache/ecrec), fetch helm+kubectl"
 	@echo "make k8s-up / k8s-down / k8s-status - run it in $(K8S_DIR) (source $(K8S_DIR)/env for KUBECONFIG);"
 	@echo "              k8s-up OPERATOR=helm installs charts/ecrec (operator as a Deployment) instead of a local operator"
+	@echo "              k8s-up NODES=4: four nodes (one test kubelet), pods bound by kube-scheduler"
 	@echo "make k8s-demo - control plane up, chart installed, examples/k8s-small.yaml applied, a server pod deleted"
 	@echo "              mid-training; watch it recover and succeed (the cluster stays up: make k8s-down)"
 
@@ -68,7 +69,8 @@ bench: $(STAMP)
 clean:
 	rm -rf $(OUT) .pytest_cache
 
-# Kubernetes test control plane (etcd + kube-apiserver + kube-controller-manager on 127.0.0.1): hack/kube-testenv.
+# Kubernetes test control plane (etcd + kube-apiserver + kube-controller-manager + kube-scheduler on 127.0.0.1):
+# hack/kube-testenv.
 K8S_DIR ?= $(CURDIR)/out/k8s
 
 k8s-build: $(STAMP)
@@ -85,8 +87,11 @@ k8s-build-for-test: $(STAMP)
 # linked by hack/fetch-helm-kubectl in k8s-build), the operator's Deployment run by the test kubelet.
 OPERATOR ?= local
 
+# NODES=N: N nodes served by the test kubelet, pods bound by kube-scheduler (unset: one node, bound by the kubelet).
+NODES ?=
+
 k8s-up: k8s-build
-	hack/k8s-up $(K8S_DIR) $(OPERATOR)
+	ECREC_K8S_NODES=$(NODES) hack/k8s-up $(K8S_DIR) $(OPERATOR)
 
 k8s-down:
 	hack/k8s-down $(K8S_DIR)

@@ -1,4 +1,6 @@
-"""The `kube` fixture: one real control plane (etcd + kube-apiserver + kube-controller-manager) per session.
+"""The `kube` fixture: one real control plane (etcd + kube-apiserver + kube-controller-manager) per session, whose
+one node the test kubelet (`kubelet`) both schedules and runs. `kube_multinode` and `kubelet_multinode`: a
+second one, per module that asks, with kube-scheduler and MULTINODE_NODES nodes served by one test kubelet.
 
 The build (minutes, once per machine; cached afterwards) runs after collection, outside every test's
 timeout, and only when a selected test is marked `k8s`. A failed build fails the tests, with the reason; only an
@@ -43,9 +45,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _build["error"] = BuildError(f"{type(e).__name__}: {e}")
 
 
-@pytest.fixture(scope="session")
-def kube(tmp_path_factory: pytest.TempPathFactory):
-    """A started control plane (KubeTestEnv); stopped at the end of the session."""
+def _need_built() -> None:
+    """Skips (ECREC_SKIP_K8S=1) or fails the test unless the control plane is built."""
     if os.environ.get("ECREC_SKIP_K8S") == "1":
         pytest.skip("ECREC_SKIP_K8S=1: Kubernetes tests skipped")
     if "error" not in _build:  # e.g. selected by a keyword after collection: build here
@@ -60,6 +61,11 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
             pytest.skip(f"ECREC_SKIP_K8S=1: Kubernetes tests skipped (control plane: {error})")
         pytest.fail(f"the Kubernetes test control plane could not be built: {error}", pytrace=False)
 
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory):
+    """A started control plane (KubeTestEnv) without kube-scheduler; stopped at the end of the session."""
+    _need_built()
     env = KubeTestEnv()
     state = tmp_path_factory.mktemp("kube")
     env.start(state, watch_pid=os.getpid())
@@ -73,8 +79,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory):
 CRD_NAME = "ecrecjobs.ecrec.dev"
 
 
-@pytest.fixture(scope="session")
-def ecrec_crd(kube: KubeTestEnv) -> str:
+def apply_crd(kube: KubeTestEnv) -> str:
     """The ECRecJob CRD from `ecrec crd`, applied and Established; the controller-manager restarted so its
     garbage collector watches ECRecJobs at once (it would otherwise discover them within 30 s)."""
     crd = subprocess.run(
@@ -84,6 +89,12 @@ def ecrec_crd(kube: KubeTestEnv) -> str:
     kube.wait_crd_established(CRD_NAME)
     kube.restart_controller_manager()
     return CRD_NAME
+
+
+@pytest.fixture(scope="session")
+def ecrec_crd(kube: KubeTestEnv) -> str:
+    """The ECRecJob CRD in the `kube` control plane (apply_crd)."""
+    return apply_crd(kube)
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +132,45 @@ def ns(request: pytest.FixtureRequest, kube: KubeTestEnv, kubelet) -> str:
     name = request.module.NS
     kube.kubectl("create", "namespace", name)
     return name
+
+
+MULTINODE_NODES = 4
+
+
+@pytest.fixture(scope="module")
+def kube_multinode(tmp_path_factory: pytest.TempPathFactory):
+    """A control plane of its own with kube-scheduler (and the node lifecycle controller), the ECRecJob CRD
+    applied; stopped at the end of the module. Its Service range, 127.0.7.0/24, differs from every other
+    control plane's in the session (see KubeTestEnv.start)."""
+    _need_built()
+    env = KubeTestEnv()
+    state = tmp_path_factory.mktemp("kube-multinode")
+    env.start(state, watch_pid=os.getpid(), scheduler=True, service_cidr="127.0.7.0/24")
+    try:
+        apply_crd(env)
+        yield env
+    finally:
+        env.stop()
+        shutil.rmtree(state / "etcd", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kubelet_multinode(kube_multinode: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
+    """The test kubelet serving MULTINODE_NODES nodes, ecrec-local-0..3 (zone-0, zone-1, zone-0, zone-1), of
+    `kube_multinode`: it binds nothing (kube-scheduler does) and runs the pods bound to any of them. Returns
+    once every node is schedulable."""
+    from .kubelet import TestKubelet
+
+    kl = TestKubelet(
+        kube_multinode.kubeconfig,
+        tmp_path_factory.mktemp("kubelet-multinode"),
+        nodes=MULTINODE_NODES,
+        bind_pending=False,
+        fork_ecrec=True,
+    )
+    kl.start()
+    try:
+        kube_multinode.wait_nodes_schedulable(kl.node_names)
+        yield kl
+    finally:
+        kl.stop()

@@ -1,4 +1,5 @@
-"""A real Kubernetes control plane (etcd + kube-apiserver + kube-controller-manager) for tests.
+"""A real Kubernetes control plane (etcd + kube-apiserver + kube-controller-manager, and kube-scheduler if asked)
+for tests.
 
 A thin wrapper around `hack/kube-testenv`: build once into a cache, start in a directory, stop. Nothing here
 talks to a cluster other than the one it started: every kubectl call gets this env's kubeconfig explicitly.
@@ -6,6 +7,7 @@ talks to a cluster other than the one it started: every kubectl call gets this e
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -70,9 +72,12 @@ class KubeTestEnv:
         watch_pid: int | None = None,
         controllers: str | None = None,
         service_cidr: str | None = None,
+        scheduler: bool = False,
     ) -> Path:
         """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited.
-        `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset).
+        `scheduler`: run kube-scheduler (ECREC_KUBE_SCHEDULER=1; the controller-manager then runs the node
+        lifecycle controller too); without it pods stay unbound until the test kubelet's one-node Binder binds
+        them. `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset).
         `service_cidr`: the Service ClusterIP range (ECREC_KUBE_SERVICE_CIDR; default 127.0.10.0/24). Two
         control planes in one test session need different ones: each kubelet's proxy listens on its Services'
         ClusterIPs on the same loopback, and the same IP and port from both fails the second bind."""
@@ -83,6 +88,7 @@ class KubeTestEnv:
             env["ECREC_KUBE_CONTROLLERS"] = controllers
         if service_cidr:
             env["ECREC_KUBE_SERVICE_CIDR"] = service_cidr
+        env["ECREC_KUBE_SCHEDULER"] = "1" if scheduler else "0"
         proc = subprocess.run(
             [str(SCRIPT), "start", str(state_dir)],
             stdin=subprocess.DEVNULL,
@@ -95,6 +101,7 @@ class KubeTestEnv:
             raise RuntimeError(f"hack/kube-testenv start exited {proc.returncode}:\n{_tail(proc.stderr)}")
         self.dir = Path(state_dir).resolve()
         self.start_log = proc.stderr
+        self.scheduler = scheduler
         assert Path(proc.stdout.strip()) == self.kubeconfig, proc.stdout
         return self.kubeconfig
 
@@ -142,7 +149,8 @@ class KubeTestEnv:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
     def pids(self) -> dict[str, int]:
-        """Pid of every component (etcd, kube-apiserver, kube-controller-manager) per its pid file."""
+        """Pid of every component (etcd, kube-apiserver, kube-controller-manager, kube-scheduler) per its pid
+        file."""
         out = {}
         for f in sorted((self._need_dir() / "run").glob("*.pid")):
             out[f.stem] = int(f.read_text().split()[0])
@@ -177,6 +185,29 @@ class KubeTestEnv:
                 proc.returncode, ["kubectl", *args], output=proc.stdout, stderr=proc.stderr
             )
         return proc
+
+    def wait_nodes_schedulable(self, names: list[str], timeout: float = 60) -> None:
+        """Wait until every node in `names` is Ready and rid of the not-ready taint the API server gives a new
+        node (the node lifecycle controller lifts it within its 5 s period). Pods created before would all go to
+        the first node untainted."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.kubectl("get", "nodes", "-o", "json", check=False)
+            pending = set(names)
+            if got.returncode == 0:
+                for node in json.loads(got.stdout)["items"]:
+                    ready = any(
+                        c["type"] == "Ready" and c["status"] == "True"
+                        for c in node["status"].get("conditions") or []
+                    )
+                    taints = {t["key"] for t in node["spec"].get("taints") or []}
+                    if ready and "node.kubernetes.io/not-ready" not in taints:
+                        pending.discard(node["metadata"]["name"])
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes not schedulable after {timeout:.0f} s: {sorted(pending)}")
+            time.sleep(0.3)
 
     def wait_crd_established(self, name: str, timeout: float = 60) -> None:
         """Wait for a CRD's Established condition. Not `kubectl wait --for=condition=Established`: that fails

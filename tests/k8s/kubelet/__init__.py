@@ -1,10 +1,13 @@
-"""The test kubelet: kube-scheduler and kubelet for one node of the test control plane, as local processes.
+"""The test kubelet: the kubelet of one or more nodes of the test control plane, running pods as local processes.
 
-The control plane of `hack/kube-testenv` runs no scheduler, kubelet, DNS or kube-proxy, so pods would stay
-Pending forever. `TestKubelet` registers the node `ecrec-local-0` (capacity: this machine's cores and memory,
-110 pods) and then, through the `kubernetes` client against the real API server:
+The control plane of `hack/kube-testenv` runs no kubelet, DNS or kube-proxy (and, with ECREC_KUBE_SCHEDULER=0,
+no scheduler), so pods would stay Pending forever. `TestKubelet` registers the node `ecrec-local-0`, or
+`ecrec-local-0..N-1` with `nodes=N` (capacity: this machine's cores and memory, 110 pods each; labels
+hostname and zone; a heartbeat and a Lease each: node.py) and then, through the `kubernetes` client against the
+real API server:
 
-- **schedules** every pending pod of the default scheduler onto its node (scheduler.py);
+- **schedules**, with one node and no kube-scheduler, every pending pod of the default scheduler onto its node
+  (scheduler.py); otherwise kube-scheduler binds and the kubelet runs what is bound to its nodes;
 - **runs** each container as a local process in its own session (lifecycle.py, processes.py), with the env
   of the pod spec only (env.py), from the one image mapping (images.py: images named `ecrec` or
   `ecrec-operator` are this repository's `.venv`; any other image fails the pod); init containers first;
@@ -26,7 +29,7 @@ termination.py and status.py over pod.py's shared state), images.py, processes.p
 
 **Not done**: container images, resource limits, namespaces/cgroups, hostPort, securityContext (the processes
 run as this user), NetworkPolicy (nothing enforces it), lifecycle hooks, ephemeral containers,
-`kubectl logs/exec` (read the log files instead), node leases.
+`kubectl logs/exec` (read the log files instead).
 
 **Files** (under `out_dir`): `kubelet.log`; per pod `pods/<ns>_<pod>/<container>.log` (appended across
 restarts, each start marked by a `=====` header line), `pods/<ns>_<pod>/work/` (the working directory)
@@ -37,7 +40,7 @@ it, hence with the kubelet (processes.py). `stop()` terminates every process the
 
 Run it:
     kl = TestKubelet(kubeconfig, out_dir); kl.start(); ...; kl.stop()        # pytest: the `kubelet` fixture
-    python -m tests.k8s.kubelet --kubeconfig K --out out/k8s                  # until SIGTERM/SIGINT
+    python -m tests.k8s.kubelet --kubeconfig K --out out/k8s [--nodes N]      # until SIGTERM/SIGINT
 """
 
 from __future__ import annotations

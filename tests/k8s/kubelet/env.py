@@ -90,7 +90,7 @@ class PodEnv(PodBase):
                 "metadata.name": self.pod_name,
                 "metadata.namespace": self.ns,
                 "metadata.uid": self.uid,
-                "spec.nodeName": self.kl.node_name,
+                "spec.nodeName": self.pod["spec"].get("nodeName", ""),  # one of the kubelet's nodes
                 "spec.serviceAccountName": self.pod["spec"].get("serviceAccountName", ""),
                 "status.podIP": self.ip,
                 "status.podIPs": self.ip,

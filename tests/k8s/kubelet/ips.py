@@ -1,6 +1,6 @@
 """Pod IPs: each pod gets its own loopback IP 127.0.x.y as status.podIP.
 
-Never 127.0.0.0/24, nor the Service range 127.0.10.0/24 of the API server; Linux routes all of 127/8 to `lo`,
+Never 127.0.0.0/24, nor the Service ranges 127.0.7.0/24-127.0.10.0/24 of the test control planes; Linux routes all of 127/8 to `lo`,
 so a process binds its pod IP without any setup. The processes must bind their pod IP (env from
 `status.podIP`), not 0.0.0.0: they share one network namespace. `hostNetwork` pods get 127.0.0.1 (not from
 here).
@@ -15,12 +15,13 @@ import threading
 
 
 class IPAllocator:
-    """Pod IPs 127.0.x.y (x in 1..254 except 9 and 10, y in 1..254), handed out round-robin from a random start,
+    """Pod IPs 127.0.x.y (x in 1..254 except 7 to 10, y in 1..254), handed out round-robin from a random start,
     so that two kubelets on one machine (two test sessions) rarely meet and a freed IP is not reused at once."""
 
-    # 127.0.0.0/24 is the host's own; 127.0.10.0/24 and 127.0.9.0/24 are Service IPs (the main control plane's
-    # and the Helm tests' own)
-    XS = [x for x in range(1, 255) if x not in (9, 10)]
+    # 127.0.0.0/24 is the host's own; 127.0.10.0/24, .9, .8 and .7 are Service IPs (the main control plane's,
+    # the Helm tests', hack/k8s-up's under tests/k8s/test_hack_k8s_up.py, the multinode fixture's): a pod there
+    # could take the address and port a kubelet's Service proxy listens on
+    XS = [x for x in range(1, 255) if x not in (7, 8, 9, 10)]
 
     def __init__(self, seed: int | None = None):
         self._n = len(self.XS) * 254

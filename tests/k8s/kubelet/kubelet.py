@@ -1,14 +1,17 @@
 """`TestKubelet`: the kubelet process: API access, the watches, one pod worker per pod, start and stop.
 
 `start()` opens the API client (the kubeconfig's), starts the fork server (`fork_ecrec`) and the userspace
-kube-proxy (tests/k8s/kubeproxy.py), registers the node (node.py), watches the pods bound to it and, with
-`bind_pending`, the unbound ones (scheduler.py); each pod bound to the node gets a `PodWorker` thread
-(lifecycle.py) until its object is gone. `stop()` terminates every process the kubelet started (SIGTERM,
-SIGKILL after `stop_grace`) and marks the node NotReady; pod objects stay as they are.
+kube-proxy (tests/k8s/kubeproxy.py), registers its nodes (node.py), watches the pods bound to each and, with
+`bind_pending` (one node only), the unbound ones (scheduler.py); each pod bound to one of its nodes gets a
+`PodWorker` thread (lifecycle.py) until its object is gone. `stop()` terminates every process the kubelet
+started (SIGTERM, SIGKILL after `stop_grace`) and marks its nodes NotReady; pod objects stay as they are.
 
-Per process: the API client, the fork server, the proxy, the pod IPs (ips.py), the log (`kubelet.log`). Per
-node (one today; #31 serves several from one process): the `Node`, the watch of `spec.nodeName=<node>`, the
-`Binder` (until kube-scheduler binds pods), and the node's name and capacity that its pods' workers read.
+Per process: the API client, the fork server, the proxy, the pod IPs (ips.py), the log (`kubelet.log`), the
+nodes' capacity (all alike: this machine's). Per node (`node_names`; one by default, `ecrec-local-0..N-1`
+with `nodes=N`): the `Node` with its heartbeat thread and lease, and the watch of `spec.nodeName=<node>`.
+With one node and `bind_pending`, the `Binder` binds every pending pod to it; with kube-scheduler running
+(hack/kube-testenv starts it unless ECREC_KUBE_SCHEDULER=0), pass `bind_pending=False`: the scheduler binds,
+the kubelet only runs what is bound to its nodes. Several nodes always leave the binding to the scheduler.
 
 Locks: `_lock` guards `_workers`, `_finished` and `_streams` (the open watch responses); a pod worker is
 started under it, so that stop() never misses one it must join; nothing blocking runs with it held.
@@ -35,15 +38,16 @@ from .api import TERMINAL
 from .dns import target_port
 from .ips import IPS
 from .lifecycle import PodWorker
-from .node import NODE_NAME, Node, node_capacity
+from .node import NODE_NAME, Node, node_capacity, node_names
 from .scheduler import Binder
 
 LOGGER = "ecrec.test-kubelet"  # + ".<node>": one logger (and kubelet.log) per kubelet
 
 
 class TestKubelet:
-    """Scheduler + kubelet for one node; see the package docstring. `start()` returns once the node is
-    registered and the watches run; `stop()` kills every process it started and returns."""
+    """The kubelet of one or more nodes (and, for one node without kube-scheduler, its scheduler); see the
+    package docstring. `start()` returns once the nodes are registered and the watches run; `stop()` kills
+    every process it started and returns."""
 
     __test__ = False  # not a pytest test class despite its name
 
@@ -52,12 +56,17 @@ class TestKubelet:
         kubeconfig: str | os.PathLike,
         out_dir: str | os.PathLike,
         node_name: str = NODE_NAME,
-        bind_pending: bool = True,
+        bind_pending: bool | None = None,
         stop_grace: float = 5.0,
         heartbeat_s: float = 10.0,
         fork_ecrec: bool = False,
+        nodes: int | None = None,
+        zones: int = 2,
     ):
-        """`bind_pending=False`: run only pods bound to `node_name` already (a second kubelet in one cluster);
+        """`nodes=N`: serve the nodes ecrec-local-0..N-1 (instead of the one `node_name`), node i in zone
+        `zone-<i mod zones>`; `bind_pending`: bind pending pods to the node (default: with one node only;
+        False runs only pods bound to its nodes already: kube-scheduler binds, or a second kubelet in one
+        cluster; several nodes refuse True);
         `stop_grace`: seconds between SIGTERM and SIGKILL of the pods' processes on `stop()`;
         `fork_ecrec`: a container whose command is the `ecrec` image's entrypoint is forked from a fork
         server (`ecrec.forkserver`, as `ecrec local` starts its processes) instead of starting a new
@@ -66,8 +75,17 @@ class TestKubelet:
         worker thread."""
         self.kubeconfig = Path(kubeconfig)
         self.out_dir = Path(out_dir).resolve()
-        self.node_name = node_name
+        self.node_names = [node_name] if nodes is None else node_names(nodes)
+        self.node_name = self.node_names[0]
+        if bind_pending is None:
+            bind_pending = len(self.node_names) == 1
+        if bind_pending and len(self.node_names) > 1:
+            raise ValueError(
+                "the Binder binds to one node: several nodes need kube-scheduler (bind_pending=False)"
+            )
         self.bind_pending = bind_pending
+        self.zones = zones
+        self.nodes: list[Node] = []  # from start()
         self.stop_grace = stop_grace
         self.heartbeat_s = heartbeat_s
         self.fork_ecrec = fork_ecrec
@@ -76,12 +94,13 @@ class TestKubelet:
         self.capacity = node_capacity()
         self._stopping = threading.Event()
         self._lock = threading.Lock()
-        self._workers: dict[str, PodWorker] = {}
+        self._workers: dict[str, PodWorker] = {}  # uid -> worker, of every node
+        self._worker_node: dict[str, str] = {}  # uid -> the node whose watch started its worker
         self._threads: list[threading.Thread] = []
         self._streams: set[Any] = set()
         self._finished: set[str] = set()  # uids whose worker ended: late events must not start them again
         self._stop_deadline = 0.0
-        self.log = logging.getLogger(f"{LOGGER}.{node_name}")
+        self.log = logging.getLogger(f"{LOGGER}.{self.node_name}")
         self._log_handler: logging.Handler | None = None
         self._started = False
 
@@ -121,11 +140,25 @@ class TestKubelet:
         self.api = k8s.ApiClient(cfg)
         self.core = k8s.CoreV1Api(self.api)
         self.proxy = ServiceProxy(self.call, self.core, target_port)
-        # What is per node (one here; several with #31): its object, the watch of its pods and, until
-        # kube-scheduler binds pods, the binder that sends pending pods to it.
-        self.node = Node(self.node_name, self.capacity, self.call, self.core, self.log)
-        self.node.register()
-        watches = [("node", f"spec.nodeName={self.node_name}", self._on_pod_event, self._sync_node_pods)]
+        coordination = k8s.CoordinationV1Api(self.api)
+        # Per node: its object (heartbeat and lease), the watch of the pods bound to it; with one node and no
+        # kube-scheduler, the binder that sends pending pods to it.
+        self.nodes = [
+            Node(name, self.capacity, self.call, self.core, self.log, f"zone-{i % self.zones}", coordination)
+            for i, name in enumerate(self.node_names)
+        ]
+        self.node = self.nodes[0]
+        watches = []
+        for node in self.nodes:
+            node.register()
+            watches.append(
+                (
+                    f"node-{node.name}",
+                    f"spec.nodeName={node.name}",
+                    lambda etype, pod, node=node.name: self._on_pod_event(etype, pod, node),
+                    lambda pods, node=node.name: self._sync_node_pods(pods, node),
+                )
+            )
         if self.bind_pending:
             binder = Binder(self.node, self.call, self.core, self.log)
             watches.append(("unbound", "spec.nodeName=", binder.on_event, binder.sync))
@@ -135,19 +168,25 @@ class TestKubelet:
             )
             t.start()
             self._threads.append(t)
-        hb = threading.Thread(
-            target=self.node.heartbeat_loop,
-            args=(self._stopping, self.heartbeat_s),
-            name="heartbeat",
-            daemon=True,
+        for node in self.nodes:
+            hb = threading.Thread(
+                target=node.heartbeat_loop,
+                args=(self._stopping, self.heartbeat_s),
+                name=f"heartbeat-{node.name}",
+                daemon=True,
+            )
+            hb.start()
+            self._threads.append(hb)
+        self.log.info(
+            "test kubelet started: nodes %s (%s), out %s",
+            ", ".join(self.node_names),
+            "binds pending pods" if self.bind_pending else "kube-scheduler binds",
+            self.out_dir,
         )
-        hb.start()
-        self._threads.append(hb)
-        self.log.info("test kubelet started: node %s, out %s", self.node_name, self.out_dir)
         return self
 
     def stop(self) -> None:
-        """Stops watching, kills every pod process (SIGTERM, SIGKILL after stop_grace) and marks the node
+        """Stops watching, kills every pod process (SIGTERM, SIGKILL after stop_grace) and marks the nodes
         NotReady. Pod objects stay as they are."""
         if not self._started or self._stopping.is_set():
             return
@@ -171,10 +210,11 @@ class TestKubelet:
         if self._forkserver is not None:
             self._forkserver.close()
         self.proxy.stop()
-        try:
-            self.node.patch_status(ready=False)
-        except Exception as e:
-            self.log.warning("could not mark node %s NotReady: %s", self.node_name, e)
+        for node in self.nodes:
+            try:
+                node.patch_status(ready=False)
+            except Exception as e:
+                self.log.warning("could not mark node %s NotReady: %s", node.name, e)
         self.log.info("test kubelet stopped")
         if self._log_handler is not None:
             self.log.removeHandler(self._log_handler)
@@ -246,16 +286,21 @@ class TestKubelet:
                 rv = None
                 self._stopping.wait(1)
 
-    def _sync_node_pods(self, pods: list[dict]) -> None:
+    def _sync_node_pods(self, pods: list[dict], node: str) -> None:
+        """A fresh list of the pods bound to `node`: its workers whose pod is not in it are gone."""
         uids = {p["metadata"]["uid"] for p in pods}
         with self._lock:
-            vanished = [w for uid, w in self._workers.items() if uid not in uids]
+            vanished = [
+                w
+                for uid, w in self._workers.items()
+                if self._worker_node.get(uid) == node and uid not in uids
+            ]
         for w in vanished:
             w.gone()
         for p in pods:
-            self._on_pod_event("ADDED", p)
+            self._on_pod_event("ADDED", p, node)
 
-    def _on_pod_event(self, etype: str, pod: dict) -> None:
+    def _on_pod_event(self, etype: str, pod: dict, node: str) -> None:
         uid = pod["metadata"]["uid"]
         with self._lock:
             w = self._workers.get(uid)
@@ -272,6 +317,7 @@ class TestKubelet:
                 return  # finished under an earlier kubelet: nothing to run
             w = PodWorker(self, pod)
             self._workers[uid] = w
+            self._worker_node[uid] = node
             w.start()  # under the lock: stop() never sees a worker it cannot join
 
     def _forget(self, w: PodWorker) -> None:
@@ -279,5 +325,6 @@ class TestKubelet:
             self._finished.add(w.uid)
             if self._workers.get(w.uid) is w:
                 del self._workers[w.uid]
+                self._worker_node.pop(w.uid, None)
         if w.ip != "127.0.0.1":
             self.ips.release(w.ip)

@@ -1,17 +1,21 @@
-"""The node: its object in the API, registered, labelled and kept Ready by heartbeats.
+"""The node: its object in the API, registered, labelled and kept Ready by heartbeats and its lease.
 
-`Node` registers the node (default `ecrec-local-0`; capacity: this machine's cores and memory, 110 pods;
-labels: hostname, os, arch, `ecrec.dev/test-kubelet=true` and `chaos.ecrec.dev/pause-annotation=true`, since
-pauses.py honours the pause annotations), takes over one that exists already, patches its status (conditions,
-addresses, nodeInfo) every `heartbeat_s` and marks it NotReady when the kubelet stops. Not done: node leases.
+`Node` registers the node (default `ecrec-local-0`; `ecrec-local-<i>` when one kubelet serves several;
+capacity: this machine's cores and memory, 110 pods; labels: hostname, os, arch, `topology.kubernetes.io/zone`
+(`zone-<i mod zones>`, for failure-domain tests), `ecrec.dev/test-kubelet=true` and
+`chaos.ecrec.dev/pause-annotation=true`, since pauses.py honours the pause annotations), takes over one that
+exists already, patches its status (conditions, addresses, nodeInfo) and renews its Lease in
+`kube-node-lease` every `heartbeat_s` (as a kubelet does: kube-controller-manager's node lifecycle controller
+reads the lease), and marks it NotReady when the kubelet stops.
 
-Everything here is about one node and nothing else, so that one kubelet process can hold one `Node` per node
-it serves (#31). `_ready`/`_ready_since` are written by `patch_status`, which runs on one thread at a time
-(start(), then the heartbeat thread, then stop() after joining it): no lock.
+Everything here is about one node and nothing else: one kubelet process holds one `Node` per node it serves,
+each with its own heartbeat thread. `_ready`/`_ready_since` are written by `patch_status`, which runs on one
+thread at a time (start(), then the node's heartbeat thread, then stop() after joining it): no lock.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import os
 import platform
@@ -28,6 +32,21 @@ from .images import RUNTIME
 
 NODE_NAME = "ecrec-local-0"
 KUBELET_VERSION = "v1.20.2-ecrec-test"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+LEASE_NAMESPACE = "kube-node-lease"
+LEASE_SECONDS = 40  # a kubelet's default (--node-lease-duration-seconds); renewed every heartbeat
+
+
+def node_names(count: int) -> list[str]:
+    """The names of the nodes one kubelet serves: ecrec-local-0 .. ecrec-local-<count-1>."""
+    if count < 1:
+        raise ValueError(f"a kubelet serves at least one node, not {count}")
+    return [f"ecrec-local-{i}" for i in range(count)]
+
+
+def now_micro() -> str:
+    """A Lease's renewTime (metav1.MicroTime)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def node_capacity() -> dict[str, str]:
@@ -47,12 +66,25 @@ def node_capacity() -> dict[str, str]:
 class Node:
     """One node's object in the API. `call` is the kubelet's API call wrapper (returns JSON dicts)."""
 
-    def __init__(self, name: str, capacity: dict[str, str], call, core: Any, log: logging.Logger):
+    def __init__(
+        self,
+        name: str,
+        capacity: dict[str, str],
+        call,
+        core: Any,
+        log: logging.Logger,
+        zone: str = "zone-0",
+        coordination: Any = None,
+    ):
+        """`coordination`: a CoordinationV1Api for the node's Lease (none: no lease is kept)."""
         self.name = name
         self.capacity = capacity
         self.call = call
         self.core = core
         self.log = log
+        self.zone = zone
+        self.coordination = coordination
+        self.uid = ""  # from register(): the lease's owner reference
         self._since = ""  # these three from register()
         self._ready: bool | None = None
         self._ready_since = ""
@@ -129,6 +161,7 @@ class Node:
             "kubernetes.io/hostname": self.name,
             "kubernetes.io/os": "linux",
             "kubernetes.io/arch": self.arch(),
+            ZONE_LABEL: self.zone,
             "ecrec.dev/test-kubelet": "true",
             PAUSE_NODE_LABEL: "true",  # honours the pause annotations (ecrec chaos --action pod-failure)
         }
@@ -142,23 +175,63 @@ class Node:
             "metadata": {"name": self.name, "labels": self.labels()},
         }
         try:
-            self.call(self.core.create_node, node)
+            got = self.call(self.core.create_node, node)
             self.log.info("node %s registered", self.name)
         except ApiException as e:
             if e.status != 409:
                 raise
-            self.call(
+            got = self.call(
                 self.core.patch_node,
                 self.name,
                 {"metadata": {"labels": self.labels()}},
                 _content_type="application/merge-patch+json",
             )
             self.log.info("node %s exists already: taking it over", self.name)
+        self.uid = got["metadata"]["uid"]
         self.patch_status(ready=True)
+        self.renew_lease()
+
+    def renew_lease(self) -> None:
+        """Creates or renews the node's Lease (kube-node-lease/<node>), owned by the Node so that it goes with
+        it."""
+        if self.coordination is None:
+            return
+        spec = {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_SECONDS, "renewTime": now_micro()}
+        try:
+            self.call(
+                self.coordination.patch_namespaced_lease,
+                self.name,
+                LEASE_NAMESPACE,
+                {"spec": spec},
+                _content_type="application/merge-patch+json",
+            )
+            return
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {
+                "name": self.name,
+                "namespace": LEASE_NAMESPACE,
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self.uid}],
+            },
+            "spec": spec,
+        }
+        try:
+            self.call(self.coordination.create_namespaced_lease, LEASE_NAMESPACE, lease)
+        except ApiException as e:
+            if e.status != 409:  # created meanwhile: renewed at the next heartbeat
+                raise
 
     def heartbeat_loop(self, stopping: threading.Event, period: float) -> None:
         while not stopping.wait(period):
-            try:
-                self.patch_status(ready=True)
-            except Exception as e:
-                self.log.warning("node heartbeat failed: %s", e)
+            for what, beat in (
+                ("status", lambda: self.patch_status(ready=True)),
+                ("lease", self.renew_lease),
+            ):
+                try:
+                    beat()
+                except Exception as e:
+                    self.log.warning("node %s heartbeat (%s) failed: %s", self.name, what, e)

@@ -77,7 +77,7 @@ class KubeletHost(Protocol):
     log: logging.Logger
     out_dir: Path  # pods/<ns>_<pod>/ and persistentvolumes/ under it
     ips: IPAllocator
-    node_name: str
+    node_name: str  # its first node (a pod's own is its spec.nodeName)
     capacity: dict[str, str]  # the node's allocatable, for resourceFieldRef without a limit
     fork_ecrec: bool
     core: Any  # kubernetes.client.CoreV1Api

@@ -3,8 +3,10 @@
 `Binder` binds every pending unbound pod of the default scheduler to its node (the `binding` subresource),
 unless the pod's `nodeSelector` does not match the node's labels (then PodScheduled=False, Unschedulable);
 there is no resource accounting: every pod fits. It is fed the watch of unbound pods (kubelet.py; not with
-`bind_pending=False`, for a second kubelet in one cluster). Once the real kube-scheduler binds pods (#31),
-this module goes and each node only runs what is bound to it.
+`bind_pending=False`, for a second kubelet in one cluster). It stands in for kube-scheduler where that does
+not run (one node, the default of the `kube` fixture and `make k8s-up`): it binds every pod whatever it
+asks for, where kube-scheduler accounts requests against the nodes' capacity. With kube-scheduler (several
+nodes: `make k8s-up NODES=4`, the `kube_multi` fixture) no Binder runs.
 
 Only the watch thread of unbound pods calls a Binder: no lock.
 """
