@@ -7,6 +7,7 @@ admin, so the RBAC rules are tested too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -105,21 +106,31 @@ class Operator:
                 self.proc.wait()
 
 
+@contextlib.contextmanager
+def running_operator(kube, out: Path, ns: str):
+    """The operator watching namespace `ns`, with its own RBAC rights, from start to stop; then the jobs and pods
+    left in `ns` deleted."""
+    kube.kubectl("apply", "-f", str(REPO / "operator/deploy/rbac.yaml"))
+    op = Operator(sa_kubeconfig(kube, out), out / "operator.log", namespace=ns)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        print(f"operator log: {op.log}")
+        # Pods still running when the module ends (a job whose pods the operator had not cleaned up yet, a
+        # failed test's) would run, heartbeating to a gone coordinator, until the session's kubelet stops: seen
+        # taking a fifth of a core for the rest of the suite. Deleted once the operator, which would replace
+        # them, is gone.
+        kube.kubectl("delete", "ecrecjobs", "--all", "-n", ns, "--wait=false", check=False)
+        kube.kubectl("delete", "pods", "--all", "-n", ns, "--wait=false", check=False)
+
+
 @pytest.fixture(scope="module")
 def operator(kube, kubelet, ecrec_crd, tmp_path_factory):
-    kube.kubectl("apply", "-f", str(REPO / "operator/deploy/rbac.yaml"))
     kube.kubectl("create", "namespace", NS, check=False)
-    out = tmp_path_factory.mktemp("operator")
-    op = Operator(sa_kubeconfig(kube, out), out / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    print(f"operator log: {op.log}")
-    # Pods still running when the module ends (a job whose pods the operator had not cleaned up yet, a failed
-    # test's) would run, heartbeating to a gone coordinator, until the session's kubelet stops: seen taking a
-    # fifth of a core for the rest of the suite. Deleted once the operator, which would replace them, is gone.
-    kube.kubectl("delete", "ecrecjobs", "--all", "-n", NS, "--wait=false", check=False)
-    kube.kubectl("delete", "pods", "--all", "-n", NS, "--wait=false", check=False)
+    with running_operator(kube, tmp_path_factory.mktemp("operator"), NS) as op:
+        yield op
 
 
 def job_manifest(name: str, **spec_overrides) -> str:

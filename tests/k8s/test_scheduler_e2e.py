@@ -19,7 +19,7 @@ import pytest
 from . import util
 from .conftest import MULTINODE_NODES, _need_built
 from .test_control_plane import listening_sockets
-from .test_operator_e2e import Operator, sa_kubeconfig
+from .test_operator_e2e import running_operator
 from .testenv import REPO, KubeTestEnv, find_kubectl
 from .util import wait_for
 
@@ -41,16 +41,9 @@ def ns(kube_multinode: KubeTestEnv, kubelet_multinode) -> str:
 
 @pytest.fixture(scope="module")
 def operator(kube_multinode: KubeTestEnv, ns: str, tmp_path_factory):
-    kube = kube_multinode
-    kube.kubectl("apply", "-f", str(REPO / "operator/deploy/rbac.yaml"))
     out = tmp_path_factory.mktemp("operator-multinode")
-    op = Operator(sa_kubeconfig(kube, out), out / "operator.log", namespace=NS)
-    op.start()
-    yield op
-    op.stop()
-    print(f"operator log: {op.log}")
-    kube.kubectl("delete", "ecrecjobs", "--all", "-n", NS, "--wait=false", check=False)
-    kube.kubectl("delete", "pods", "--all", "-n", NS, "--wait=false", check=False)
+    with running_operator(kube_multinode, out, NS) as op:
+        yield op
 
 
 # ---------------------------------------------------------------------------------------------- helpers --
