@@ -37,6 +37,20 @@ def build_log_path() -> Path:
     return Path(os.environ.get("ECREC_KUBE_BUILD_LOG", Path.home() / ".cache" / "ecrec" / "kube-build.log"))
 
 
+def schedulable_nodes(node_list: dict) -> set[str]:
+    """Names of the nodes of a NodeList (`kubectl get nodes -o json`) that kube-scheduler may place pods on: Ready,
+    and rid of the not-ready taint the API server gives a new node (hack/k8s-up uses this too)."""
+    out = set()
+    for node in node_list["items"]:
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions") or []
+        )
+        taints = {t["key"] for t in node["spec"].get("taints") or []}
+        if ready and "node.kubernetes.io/not-ready" not in taints:
+            out.add(node["metadata"]["name"])
+    return out
+
+
 class KubeTestEnv:
     """One control plane: `ensure_built()`, `start(dir)`, `kubectl(...)`, `stop()`."""
 
@@ -195,14 +209,7 @@ class KubeTestEnv:
             got = self.kubectl("get", "nodes", "-o", "json", check=False)
             pending = set(names)
             if got.returncode == 0:
-                for node in json.loads(got.stdout)["items"]:
-                    ready = any(
-                        c["type"] == "Ready" and c["status"] == "True"
-                        for c in node["status"].get("conditions") or []
-                    )
-                    taints = {t["key"] for t in node["spec"].get("taints") or []}
-                    if ready and "node.kubernetes.io/not-ready" not in taints:
-                        pending.discard(node["metadata"]["name"])
+                pending -= schedulable_nodes(json.loads(got.stdout))
             if not pending:
                 return
             if time.monotonic() > deadline:

@@ -32,7 +32,8 @@ from ecrec.faults import fault_point
 from ecrec.store.state import Busy, StoreState
 
 REFUSED_KEPT = 4096  # (txn, src) whose dropped rows are remembered for their deliverer
-# (txn, src) of accepted batches remembered: a worker asks again within a few passes of the first delivery.
+# (txn, src, incarnation) of accepted batches remembered: a worker asks again within a few passes of the first
+# delivery.
 ACCEPTED_KEPT = 16384
 
 
