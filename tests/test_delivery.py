@@ -17,12 +17,11 @@ import grpc
 import pytest
 import torch
 
-from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import MapView
 from ecrec.delivery import DeltaLogDriver
 from ecrec.metrics import Metrics
 from ecrec.proto import ecrec_pb2 as pb
-from ecrec.server import delta_message
+from ecrec.server import delta_batch, delta_message
 from ecrec.wire import bytes_to_floats, bytes_to_ids, ids_to_bytes
 from tests.conftest import make_ctx
 from tests.netsim import WORKER, Net, assert_same_model, logical_model, parity_check
@@ -110,19 +109,7 @@ class NetTransport:
         store = self.net[shard]
         if req.epoch < store.epoch:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {req.epoch}")
-        batches = [
-            DeltaBatch(
-                shard,
-                b.txn,
-                b.src,
-                bytes_to_ids(b.index),
-                bytes_to_ids(b.slot),
-                bytes_to_floats(b.delta, len(b.index) // 8, self.ctx.record_width, "delta").clone(),
-                bytes_to_ids(b.version),
-                b.incarnation,
-            )
-            for b in req.batches
-        ]
+        batches = [delta_batch(b, shard, self.ctx.record_width) for b in req.batches]
         refused = self.net.call(WORKER, shard, "deliver", batches, True, list(req.delivered))
         return pb.DeliverResponse(
             refused=[pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]

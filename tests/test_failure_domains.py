@@ -11,7 +11,7 @@ import kopf
 import pytest
 
 from ecrec.spec import job_from_spec
-from ecrec_operator import domains, handlers, pinning, render, suspend
+from ecrec_operator import domains, handlers, nodes, pinning, render, suspend
 
 NS, JOB = "ns", "j"
 NOW = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
@@ -62,12 +62,19 @@ def test_server_nodes_takes_each_shards_newest_live_scheduled_server():
     assert domains.server_nodes(pods) == {0: "new"}
 
 
-def test_node_labels_are_read_once_per_ttl():
+def test_nodes_are_read_once_per_ttl_and_an_unreadable_one_is_asked_again():
     reads: list[str] = []
-    cache = domains.NodeLabels(lambda n: reads.append(n) or ({"zone": "a"} if n != "gone" else None), ttl=60)
-    assert cache.get(["n1", "n1", "gone"]) == {"n1": {"zone": "a"}}
-    cache.get(["n1", "gone"])
-    assert sorted(reads) == ["gone", "n1"]
+
+    def read(n: str) -> nodes.NodeInfo | None:
+        reads.append(n)
+        if n == "flaky":
+            raise nodes.Unreadable(n)
+        return nodes.NodeInfo({"zone": "a"}) if n != "gone" else None
+
+    cache = nodes.NodeCache(read, ttl=60)
+    assert cache.labels(["n1", "n1", "gone", "flaky"]) == {"n1": {"zone": "a"}}
+    assert cache.get(["n1", "gone", "flaky"]) == {"n1": nodes.NodeInfo({"zone": "a"}), "gone": None}
+    assert sorted(reads) == ["flaky", "flaky", "gone", "n1"]
 
 
 # -- through the handler -------------------------------------------------------------------------------------
@@ -77,10 +84,13 @@ class Core:
     def __init__(self, nodes: dict[str, dict] | None = None):
         self.deleted: list[str] = []
         self.created: list[str] = []
-        self.nodes = nodes or {}
+        self.nodes = nodes or {}  # name -> labels; a node not here is gone (404)
+        self.ready: dict[str, str] = {}  # name -> its Ready condition's status (default True)
+        self.graces: dict[str, int | None] = {}  # pod -> the grace period it was deleted with
 
-    def delete_namespaced_pod(self, name, namespace):
+    def delete_namespaced_pod(self, name, namespace, grace_period_seconds=None):
         self.deleted.append(name)
+        self.graces[name] = grace_period_seconds
 
     def create_namespaced_pod(self, namespace, body):
         self.created.append(body["metadata"]["name"])
@@ -94,8 +104,11 @@ class Core:
         return type("S", (), {"data": {"token": b64encode(b"t").decode()}})()
 
     def read_node(self, name):
+        if name not in self.nodes:
+            raise handlers.ApiException(status=404, reason="Not Found")
         meta = type("M", (), {"labels": self.nodes[name]})()
-        return type("N", (), {"metadata": meta})()
+        ready = type("C", (), {"type": "Ready", "status": self.ready.get(name, "True")})()
+        return type("N", (), {"metadata": meta, "status": type("S", (), {"conditions": [ready]})()})()
 
 
 class Custom:
@@ -111,8 +124,8 @@ def cluster(monkeypatch):
     core, custom, events = Core(), Custom(), []
     monkeypatch.setattr(handlers.k8s, "CoreV1Api", lambda: core)
     monkeypatch.setattr(handlers.k8s, "CustomObjectsApi", lambda: custom)
-    monkeypatch.setattr(suspend, "_suspended", set())
-    monkeypatch.setattr(handlers, "_nodes", domains.NodeLabels(handlers._node_labels, ttl=0))
+    monkeypatch.setattr(handlers, "_nodes", nodes.NodeCache(handlers._read_node, ttl=0))
+    monkeypatch.setattr(handlers, "_released", set())
     monkeypatch.setattr(handlers, "_get_status", lambda base: None)
     for fn in ("info", "warn"):
         monkeypatch.setattr(kopf, fn, lambda obj, reason, message: events.append((reason, message)))
@@ -188,6 +201,16 @@ def suspended(spec: dict) -> dict:
     return {**spec, "runPolicy": {"suspend": True}}
 
 
+def test_a_jobs_pod_deletions_are_the_suspends_while_suspended_and_until_resumed():
+    def index(spec: dict, status: dict) -> dict:
+        return {key: [value] for key, value in suspend.suspended_jobs(NS, JOB, spec, status).items()}
+
+    assert suspend.is_suspended(index(suspended(SPEC), {"phase": "Running"}), NS, JOB)
+    assert suspend.is_suspended(index(SPEC, {"phase": "Suspended"}), NS, JOB)  # resuming: pods still going
+    assert not suspend.is_suspended(index(SPEC, {"phase": "Running"}), NS, JOB)
+    assert not suspend.is_suspended({}, NS, JOB)
+
+
 def test_a_job_created_suspended_creates_nothing_and_pins_nothing(cluster):
     core, custom, events = cluster
     patch = run(suspended(SPEC), {}, [], pinned=False)
@@ -221,6 +244,7 @@ def test_suspending_a_running_job_deletes_its_pods_quietly_and_resets_its_start(
         meta={},
         status={},
         pods_by_job={(NS, JOB): pods},
+        suspended_jobs={(NS, JOB): [suspend.suspended_jobs(NS, JOB, suspended(SPEC), {})[(NS, JOB)]]},
     )
     assert "ServerLost" not in [r for r, _ in events]
 
@@ -240,3 +264,50 @@ def test_resuming_waits_for_the_pods_to_go_then_unpins_and_starts_over(cluster):
     run(SPEC, {"phase": "Pending"}, [])
     assert core.created[0] == render.pod_name(JOB, "coordinator", 0, 1)
     assert all(name.endswith("-1") for name in core.created) and len(core.created) == 1 + 5 + 1
+
+
+# -- lost nodes (ecrec_operator.nodes) -------------------------------------------------------------------
+def test_pods_on_a_node_that_stopped_reporting_or_is_gone_are_lost():
+    pods = [
+        pod("server", 0, 1, "up"),
+        pod("server", 1, 1, "silent"),
+        pod("worker", 0, 1, "gone"),
+        pod("coordinator", 0, 1, "sick"),  # Ready False: its kubelet is alive and said so
+        pod("server", 2, 1, "unread"),  # not looked at (the read failed): nothing decided
+        pod("server", 3),  # not scheduled
+        {**pod("worker", 1, 1, "silent"), "status": {"phase": "Succeeded"}},  # finished: left alone
+        {"metadata": {"name": "other", "labels": {}}, "spec": {"nodeName": "silent"}, "status": {}},
+    ]
+    seen = {
+        "up": nodes.NodeInfo(),
+        "silent": nodes.NodeInfo(ready="Unknown"),
+        "gone": None,
+        "sick": nodes.NodeInfo(ready="False"),
+    }
+    lost = nodes.pods_on_lost_nodes(pods, seen)
+    assert [(p["metadata"]["name"], why) for p, why in lost] == [
+        (render.pod_name(JOB, "server", 1, 1), "node silent stopped reporting (Ready Unknown)"),
+        (render.pod_name(JOB, "worker", 0, 1), "node gone is gone"),
+    ]
+    assert nodes.bound_nodes(pods) == {"up", "silent", "gone", "sick", "unread"}
+
+
+def test_the_operator_deletes_pods_on_a_lost_node_at_once_with_one_event_each(cluster):
+    core, _, events = cluster
+    core.nodes = {f"n{i}": {"kubernetes.io/hostname": f"n{i}"} for i in range(3)}
+    core.ready["n1"] = "Unknown"
+    core.ready["n2"] = "False"
+    pods = [
+        pod("coordinator", 0, 1, "n0"),
+        *(pod("server", s, 1, f"n{s % 3}") for s in range(5)),
+        pod("worker", 0, 1, "n1"),
+    ]
+    run(SPEC, {"coordinatorIncarnation": 1}, pods)
+    on_n1 = [render.pod_name(JOB, "server", s, 1) for s in (1, 4)] + [render.pod_name(JOB, "worker", 0, 1)]
+    assert sorted(core.deleted) == sorted(on_n1)
+    assert all(core.graces[name] == 0 for name in on_n1)
+    lost_events = [m for r, m in events if r == nodes.LOST_EVENT]
+    assert len(lost_events) == 3 and all("node n1 stopped reporting" in m for m in lost_events)
+    # The API keeps them until the deletion lands: the next pass deletes again, without a second event.
+    run(SPEC, {"coordinatorIncarnation": 1}, pods)
+    assert len(core.deleted) == 6 and len([r for r, _ in events if r == nodes.LOST_EVENT]) == 3

@@ -51,6 +51,7 @@ def pod_deleted(name: str, shard: int) -> None:
         meta={},
         status={},
         pods_by_job={(NS, JOB): [coordinator_pod()]},
+        suspended_jobs={(NS, JOB): [False]},
     )
 
 

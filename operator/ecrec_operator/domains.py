@@ -3,18 +3,17 @@ scheduled, and the job condition FailureDomainsAtRisk that says so.
 
 A stripe survives r lost records (faultTolerance.ecrec.r), so a domain holding more than r of the job's
 servers is one whose loss (a node, a zone) loses shards parity cannot rebuild. The decision is a pure function
-(`at_risk`) of server -> node and node -> labels; `NodeLabels` reads the nodes (the operator's only use of
-them: `get` on nodes in its ClusterRole), cached, since a node's topology labels do not change under a pod.
+(`at_risk`) of server -> node and node -> labels; the labels come from nodes.py's `NodeCache`.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ecrec.podlabels import pod_identity
+
+from .nodes import NodeCache
 
 CONDITION = "FailureDomainsAtRisk"
 
@@ -69,34 +68,11 @@ def server_nodes(pods: Iterable[dict]) -> dict[int, str]:
     return {shard: node for shard, (_, node) in best.items()}
 
 
-class NodeLabels:
-    """Node name -> its labels, read with `read(name)` (a node's labels, None when it is gone) and kept for
-    `ttl` seconds: every job's pass asks, the API server is asked once a minute per node."""
-
-    def __init__(self, read: Callable[[str], Mapping[str, str] | None], ttl: float = 60.0):
-        self._read, self._ttl = read, ttl
-        self._cache: dict[str, tuple[float, Mapping[str, str] | None]] = {}
-        self._lock = threading.Lock()
-
-    def get(self, names: Iterable[str]) -> dict[str, Mapping[str, str]]:
-        now, out = time.monotonic(), {}
-        for name in set(names):
-            with self._lock:
-                hit = self._cache.get(name)
-            if hit is None or now - hit[0] > self._ttl:
-                hit = (now, self._read(name))
-                with self._lock:
-                    self._cache[name] = hit
-            if hit[1] is not None:
-                out[name] = hit[1]
-        return out
-
-
-def evaluate(pods: Iterable[dict], num_servers: int, nodes: NodeLabels, key: str, r: int) -> Placement | None:
+def evaluate(pods: Iterable[dict], num_servers: int, nodes: NodeCache, key: str, r: int) -> Placement | None:
     """The placement to report, or None while there is nothing to say yet: no shard shares a domain with more
     than r others so far and not every shard's server is scheduled (False would claim too early)."""
     where = server_nodes(pods)
-    placement = at_risk(where, nodes.get(where.values()), key, r)
+    placement = at_risk(where, nodes.labels(where.values()), key, r)
     if placement.at_risk or len(where) >= num_servers:
         return placement
     return None

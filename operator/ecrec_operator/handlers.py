@@ -36,7 +36,7 @@ from ecrec.data import check_data
 from ecrec.jobctx import JobContext
 from ecrec.spec import SpecError, job_from_spec
 
-from . import domains, metrics, pinning, render, suspend
+from . import domains, metrics, nodes, pinning, render, suspend
 from .status import job_status, set_condition
 
 log = logging.getLogger("ecrec_operator")
@@ -168,12 +168,14 @@ _reported: set[tuple[str, str]] = set()  # (namespace, pod) whose loss was annou
 
 
 @kopf.on.event("", "v1", "pods", labels={render.LABEL_ROLE: "server"})
-def server_pod_event(event, name, namespace, labels, meta, status, pods_by_job: kopf.Index, **_):
+def server_pod_event(
+    event, name, namespace, labels, meta, status, pods_by_job: kopf.Index, suspended_jobs: kopf.Index, **_
+):
     gone = event.get("type") == "DELETED" or meta.get("deletionTimestamp") or status.get("phase") == "Failed"
     if not gone:
         return
     job, shard = labels.get(render.LABEL_JOB), int(labels.get(render.LABEL_SHARD, -1))
-    if suspend.is_suspended(namespace, job):
+    if suspend.is_suspended(suspended_jobs, namespace, job):
         return  # deleted by the suspend itself: no failure to report
     base = _coordinator_base(_pods(pods_by_job, namespace, job))
     if base is None or shard < 0:
@@ -238,6 +240,7 @@ def reconcile_job(name, namespace, spec, status, meta, body, patch, pods_by_job:
     if status.get("phase") == "Suspended":
         suspend.resume(k8s.CustomObjectsApi(), namespace, name, pods, status, body, patch, now)
         return
+    pods = _release_lost_nodes(body, namespace, pods, logger)
     if not pods and not status.get("coordinatorIncarnation"):
         # Before anything starts: data files that are missing or malformed fail here with one line, not as
         # a worker's traceback once every pod runs (the operator reads the data too, for the final checks).
@@ -538,16 +541,46 @@ def _spec_condition(body, conditions: list[dict], resolved: pinning.Resolved, no
     return set_condition(conditions, "SpecChangeIgnored", "True", "SpecChangeIgnored", message, _iso(now))
 
 
-def _node_labels(name: str) -> dict[str, str] | None:
+def _read_node(name: str) -> nodes.NodeInfo | None:
     try:
-        return dict(k8s.CoreV1Api().read_node(name).metadata.labels or {})
+        node = k8s.CoreV1Api().read_node(name)
     except ApiException as e:
-        if e.status != 404:
-            log.warning("reading node %s for failure domains: %s", name, e.reason)
-        return None
+        if e.status == 404:
+            return None
+        log.warning("reading node %s: %s", name, e.reason)
+        raise nodes.Unreadable(name) from e
+    conditions = getattr(getattr(node, "status", None), "conditions", None) or []
+    ready = next((c.status for c in conditions if c.type == "Ready"), None)
+    return nodes.NodeInfo(dict(node.metadata.labels or {}), ready)
 
 
-_nodes = domains.NodeLabels(_node_labels)
+_nodes = nodes.NodeCache(_read_node)
+_released: set[tuple[str, str]] = set()  # (namespace, pod) deleted for its lost node: one event each
+
+
+def _release_lost_nodes(body, namespace: str, pods: list[dict], logger) -> list[dict]:
+    """Deletes the job's pods on lost nodes with grace period 0 (nodes.py says why) and returns the others: the
+    reconcile then sees them gone and replaces them (the scheduler no longer places pods on a lost node)."""
+    lost = nodes.pods_on_lost_nodes(pods, _nodes.get(nodes.bound_nodes(pods)))
+    if not lost:
+        return pods
+    core, released = k8s.CoreV1Api(), set()
+    for pod, why in lost:
+        name = pod["metadata"]["name"]
+        try:
+            core.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        except ApiException as e:
+            if e.status != 404:
+                logger.warning("deleting pod %s of a lost node: %s", name, e.reason)
+                continue
+        released.add(name)
+        with _lock:
+            first = (namespace, name) not in _released
+            _released.add((namespace, name))
+        if first:
+            metrics.actions.labels("release_lost_node").inc()
+            kopf.warn(body, reason=nodes.LOST_EVENT, message=f"pod {name}: {why}; deleted to be replaced")
+    return [p for p in pods if p["metadata"]["name"] not in released]
 
 
 def _domain_condition(body, conditions: list[dict], spec, pods: list[dict], now) -> list[dict]:

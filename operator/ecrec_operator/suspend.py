@@ -11,27 +11,29 @@ the beginning whatever its strategy.
 
 from __future__ import annotations
 
-import threading
-
 import kopf
 from kubernetes.client.rest import ApiException
 
 from . import pinning, render
 from .status import resumed_status, suspended_status
 
-_suspended: set[tuple[str, str]] = set()  # (namespace, job): its server pods' deletions are no failures
-_lock = threading.Lock()
+
+@kopf.index(render.GROUP, render.VERSION, render.PLURAL)
+def suspended_jobs(namespace, name, spec, status, **_):
+    """(namespace, job) -> whether its pods' deletions are the suspend's (no failures to report): while
+    runPolicy.suspend is set, and while a cleared suspend waits for the pods to go (phase still Suspended). From
+    the jobs themselves, so an operator that restarted mid-suspend knows it too."""
+    suspend = bool(((spec or {}).get("runPolicy") or {}).get("suspend"))
+    return {(namespace, name): suspend or (status or {}).get("phase") == "Suspended"}
 
 
-def is_suspended(namespace: str, job: str) -> bool:
-    with _lock:
-        return (namespace, job) in _suspended
+def is_suspended(index, namespace: str, job: str) -> bool:
+    """`index`: the `suspended_jobs` index (kopf passes it to every handler by that name)."""
+    return any(index.get((namespace, job), ()))
 
 
 def suspend(core, namespace: str, name: str, pods: list[dict], status: dict, body, patch, now) -> None:
     """One pass over a suspended job: its pods deleted, its status Suspended (an event when it becomes so)."""
-    with _lock:
-        _suspended.add((namespace, name))
     for p in pods:
         if p["metadata"].get("deletionTimestamp"):
             continue
@@ -58,6 +60,4 @@ def resume(custom, namespace: str, name: str, pods: list[dict], status: dict, bo
         )
     for key, value in resumed_status(status, now).items():
         patch.status[key] = value
-    with _lock:
-        _suspended.discard((namespace, name))
     kopf.info(body, reason="ECRecJobResumed", message="runPolicy.suspend cleared: starting the job over")

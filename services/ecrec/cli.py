@@ -365,18 +365,21 @@ def cmd_bench_fuzz(args) -> int:
 
 
 def cmd_chaos(args) -> int:
-    """Pod faults against a running ECRecJob, one at a time; a table of the recoveries."""
+    """Pod and node faults against a running ECRecJob, one at a time; a table of the recoveries."""
     from ecrec.chaos import ChaosError, Options, print_table, run
 
+    action = "node-loss" if args.node is not None and args.action is None else args.action or "pod-kill"
+    duration = args.duration if args.duration is not None else 60.0 if action == "node-loss" else 20.0
     opts = Options(
         job=args.job,
         namespace=args.namespace,
-        action=args.action,
+        action=action,
+        node=args.node,
         role=args.role,
         interval=args.interval,
         count=args.count,
         seed=args.seed,
-        duration=args.duration,
+        duration=duration,
         injector=args.injector,
         grace_period=args.grace_period,
         timeout=args.timeout,
@@ -477,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "chaos",
-        help="pod faults (Chaos Mesh's pod-kill, pod-failure) against a running ECRecJob, one at a time",
+        help="pod and node faults (pod-kill, pod-failure, node-loss) against a running ECRecJob, one at a time",
     )
     p.add_argument("--job", required=True, help="the ECRecJob's name")
     p.add_argument(
@@ -485,9 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--action",
-        choices=("pod-kill", "pod-failure"),
-        default="pod-kill",
-        help="pod-kill: delete the pod; pod-failure: pause its process for --duration (default: pod-kill)",
+        choices=("pod-kill", "pod-failure", "node-loss"),
+        help="pod-kill: delete the pod; pod-failure: pause its process for --duration; node-loss: lose the "
+        "--node for --duration, as when its machine dies (default: pod-kill, node-loss with --node)",
+    )
+    p.add_argument(
+        "--node",
+        metavar="NAME|random",
+        help="node-loss: the node to lose, or random (a node running a pod of the job); --role does not apply",
     )
     p.add_argument(
         "--role",
@@ -506,15 +514,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--duration",
         type=float,
-        default=20.0,
-        help="pod-failure: seconds the process is paused (default: 20)",
+        help="pod-failure: seconds the process is paused (default: 20); node-loss: seconds the node stays down "
+        "(default: 60)",
     )
     p.add_argument(
         "--injector",
-        choices=("auto", "chaos-mesh", "annotation"),
+        choices=("auto", "chaos-mesh", "annotation", "taint"),
         default="auto",
-        help="pod-failure: a Chaos Mesh PodChaos, or the pause annotation the test kubelet honours (default: "
-        "auto = chaos-mesh where PodChaos exists, else annotation where the pod's node honours it)",
+        help="pod-failure: a Chaos Mesh PodChaos, or the pause annotation the test kubelet honours (auto = "
+        "chaos-mesh where PodChaos exists, else annotation where the pod's node honours it); node-loss: the "
+        "node-down annotation the test kubelet honours, or taint = cordon, NoExecute taint and the job's pods "
+        "there deleted (auto = annotation where the node honours it, else taint)",
     )
     p.add_argument(
         "--grace-period",

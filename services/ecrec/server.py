@@ -201,6 +201,30 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
     )
 
 
+def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> DeltaBatch:
+    """The `DeltaBatch` a `delta_message` carries to `parity_server` (records `width` floats wide), its tensors
+    owned; `InvalidRequest` for lengths that disagree."""
+    index, slot, version = (
+        bytes_to_ids(request.index),
+        bytes_to_ids(request.slot),
+        bytes_to_ids(request.version),
+    )
+    n = index.numel()
+    if slot.numel() != n or version.numel() != n:
+        raise InvalidRequest("index, slot and version differ in length")
+    delta = bytes_to_floats(request.delta, n, width, "delta").clone()
+    return DeltaBatch(
+        parity_server,
+        request.txn,
+        request.src,
+        index.clone(),
+        slot.clone(),
+        delta,
+        version.clone(),
+        request.incarnation,
+    )
+
+
 _logged_once: set[tuple[str, str]] = set()
 
 
@@ -428,32 +452,15 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         return pb.TxnResponse(outcome=self.store.abort(self._own_txn(request.txn)))
 
     def _batch(self, request) -> DeltaBatch:
-        index, slot, version = (
-            bytes_to_ids(request.index),
-            bytes_to_ids(request.slot),
-            bytes_to_ids(request.version),
-        )
-        n = index.numel()
-        if slot.numel() != n or version.numel() != n:
-            raise InvalidRequest("index, slot and version differ in length")
-        delta = bytes_to_floats(request.delta, n, self.store.ctx.record_width, "delta").clone()
-        if self.store.code.name != "xor":  # xor deltas are bit patterns; float deltas must be numbers
-            check_finite(delta, "delta")
         if request.parity_server != self.store.shard:
             raise InvalidRequest(
                 f"parity_server: batch for {request.parity_server} sent to {self.store.shard}"
             )
+        batch = delta_batch(request, self.store.shard, self.store.ctx.record_width)
+        if self.store.code.name != "xor":  # xor deltas are bit patterns; float deltas must be numbers
+            check_finite(batch.delta, "delta")
         # Placement is checked by the store (stage_deltas), once for every batch of the message.
-        return DeltaBatch(
-            self.store.shard,
-            request.txn,
-            request.src,
-            index.clone(),
-            slot.clone(),
-            delta,
-            version.clone(),
-            request.incarnation,
-        )
+        return batch
 
     @rpc("Delta", check_epoch=False)
     def Delta(self, request, context):

@@ -135,17 +135,32 @@ def ns(request: pytest.FixtureRequest, kube: KubeTestEnv, kubelet) -> str:
 
 
 MULTINODE_NODES = 4
+# The node lifecycle controller of `kube_multinode` marks a node without heartbeats Unknown (and taints it
+# unreachable) after MULTINODE_NODE_GRACE s, looking every 2 s; `kubelet_multinode` beats every
+# MULTINODE_HEARTBEAT s, well within it even on loaded cores. Short, so that a node lost by annotation
+# (kubelet/outages.py) is seen lost in a test's time, not after Kubernetes' 40 s.
+MULTINODE_NODE_GRACE = 12.0
+MULTINODE_NODE_MONITOR_PERIOD = 2.0
+MULTINODE_HEARTBEAT = 2.0
 
 
 @pytest.fixture(scope="module")
 def kube_multinode(tmp_path_factory: pytest.TempPathFactory):
-    """A control plane of its own with kube-scheduler (and the node lifecycle controller), the ECRecJob CRD
-    applied; stopped at the end of the module. Its Service range, 127.0.7.0/24, differs from every other
-    control plane's in the session (see KubeTestEnv.start)."""
+    """A control plane of its own with kube-scheduler (and the node lifecycle controller: grace
+    MULTINODE_NODE_GRACE s, period 2 s), the ECRecJob CRD applied; stopped at the end of the module. Its
+    Service range, 127.0.7.0/24, differs from every other control plane's in the session (see
+    KubeTestEnv.start)."""
     _need_built()
     env = KubeTestEnv()
     state = tmp_path_factory.mktemp("kube-multinode")
-    env.start(state, watch_pid=os.getpid(), scheduler=True, service_cidr="127.0.7.0/24")
+    env.start(
+        state,
+        watch_pid=os.getpid(),
+        scheduler=True,
+        service_cidr="127.0.7.0/24",
+        node_grace=MULTINODE_NODE_GRACE,
+        node_monitor_period=MULTINODE_NODE_MONITOR_PERIOD,
+    )
     try:
         apply_crd(env)
         yield env
@@ -157,8 +172,9 @@ def kube_multinode(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def kubelet_multinode(kube_multinode: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
     """The test kubelet serving MULTINODE_NODES nodes, ecrec-local-0..3 (zone-0, zone-1, zone-0, zone-1), of
-    `kube_multinode`: it binds nothing (kube-scheduler does) and runs the pods bound to any of them. Returns
-    once every node is schedulable."""
+    `kube_multinode`: it binds nothing (kube-scheduler does) and runs the pods bound to any of them; each
+    node's heartbeat every MULTINODE_HEARTBEAT s (within the control plane's grace). Returns once every node
+    is schedulable."""
     from .kubelet import TestKubelet
 
     kl = TestKubelet(
@@ -167,6 +183,7 @@ def kubelet_multinode(kube_multinode: KubeTestEnv, tmp_path_factory: pytest.Temp
         nodes=MULTINODE_NODES,
         bind_pending=False,
         fork_ecrec=True,
+        heartbeat_s=MULTINODE_HEARTBEAT,
     )
     kl.start()
     try:

@@ -2,8 +2,10 @@
 (`kube_multinode`, `kubelet_multinode`): pods are bound by the scheduler, not the kubelet, and run on the node
 it chose; an ECRecJob's server pods are spread over distinct nodes by the topologySpreadConstraint the operator
 renders from `servers.failureDomain`; servers pinned to one node get the job condition FailureDomainsAtRisk,
-computed from the nodes the scheduler bound them to. `make k8s-up NODES=4` (hack/k8s-up) brings up the same
-by hand.
+computed from the nodes the scheduler bound them to; a node lost by annotation (the test kubelet's machine
+death, kubelet/outages.py) goes Unknown and unreachable-tainted by the node lifecycle controller, its pod's
+process dies, and back up the pod ends Failed (NodeLost). `make k8s-up NODES=4` (hack/k8s-up) brings up the
+same by hand.
 
 The operator runs as a separate process with its ServiceAccount's token, as in test_operator_e2e.py.
 """
@@ -11,13 +13,18 @@ The operator runs as a separate process with its ServiceAccount's token, as in t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
+from ecrec.chaos import NODE_DOWN_ID, NODE_DOWN_LABEL, NODE_DOWN_SECONDS
+
 from . import util
-from .conftest import MULTINODE_NODES, _need_built
+from .conftest import MULTINODE_NODE_GRACE, MULTINODE_NODES, _need_built
 from .test_control_plane import listening_sockets
 from .test_operator_e2e import running_operator
 from .testenv import REPO, KubeTestEnv, find_kubectl
@@ -116,6 +123,24 @@ def assert_bound_by_scheduler(kube: KubeTestEnv, name: str, node: str) -> None:
 def pod_log(kubelet, name: str) -> str:
     path = Path(kubelet.out_dir) / "pods" / f"{NS}_{name}" / "main.log"
     return path.read_text() if path.exists() else ""
+
+
+def get_node(kube: KubeTestEnv, name: str) -> dict:
+    return json.loads(kube.kubectl("get", "node", name, "-o", "json").stdout)
+
+
+def node_ready(node: dict) -> str | None:
+    """The status of a Node's Ready condition: True, False or Unknown (the node lifecycle controller's, for a
+    node whose heartbeat stopped)."""
+    return next((c["status"] for c in node["status"].get("conditions") or [] if c["type"] == "Ready"), None)
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def job_manifest(name: str, **overrides) -> str:
@@ -222,6 +247,97 @@ def test_a_pod_with_an_unbound_claim_is_scheduled(kube_multinode: KubeTestEnv, k
     got = running(kube, "with-claim")
     assert_bound_by_scheduler(kube, "with-claim", got["spec"]["nodeName"])
     kube.kubectl("delete", "pod", "with-claim", "-n", NS, "--wait=false")
+
+
+def test_a_node_lost_by_annotation_goes_notready_and_its_pods_processes_die(
+    kube_multinode: KubeTestEnv, kubelet_multinode, ns: str
+):
+    """The test kubelet's machine death (kubelet/outages.py), as `ecrec chaos --node` asks for it: the pod's
+    process dies at once while its object says Running (a dead machine reports nothing); the node lifecycle
+    controller marks the node Unknown and taints it unreachable after its grace (12 s here); back up after the
+    outage, the node is Ready, the pod Failed with reason NodeLost (restartPolicy Never; one with Always runs
+    again, restartCount 1), and a new pod runs there."""
+    kube, node, outage = kube_multinode, "ecrec-local-1", 25
+
+    def elapsed() -> float:
+        return time.monotonic() - t0
+
+    def lost():
+        n = get_node(kube, node)
+        return n if node_ready(n) in ("Unknown", "False") else None
+
+    def unreachable() -> bool:
+        taints = get_node(kube, node)["spec"].get("taints") or []
+        return "node.kubernetes.io/unreachable" in {t["key"] for t in taints}
+
+    def restarted(pod: dict) -> bool:
+        [cs] = pod["status"]["containerStatuses"]
+        return cs["restartCount"] == 1 and "running" in cs["state"]
+
+    def failed():
+        pod = get_pod(kube, "doomed")
+        return pod if pod["status"]["phase"] == "Failed" else None
+
+    def pid(name: str) -> int:
+        return wait_for(
+            f"{name}'s process", lambda: (kubelet_multinode.pids().get(f"{NS}/{name}") or [0])[0], 30
+        )
+
+    assert get_node(kube, node)["metadata"]["labels"][NODE_DOWN_LABEL] == "true"
+    pinned = {HOSTNAME: node}
+    apply(
+        kube,
+        pod_manifest("doomed", nodeSelector=pinned, restartPolicy="Never"),
+        pod_manifest("survivor", nodeSelector=pinned, restartPolicy="Always"),
+    )
+    for name in ("doomed", "survivor"):
+        assert running(kube, name)["spec"]["nodeName"] == node
+    pids = [pid("doomed"), pid("survivor")]
+    assert not any(pid_gone(p) for p in pids)
+
+    t0 = time.monotonic()
+    down = {NODE_DOWN_SECONDS: str(outage), NODE_DOWN_ID: f"lost-{uuid.uuid4().hex[:8]}"}
+    kube.kubectl("annotate", "--overwrite", "node", node, *(f"{k}={v}" for k, v in down.items()))
+    wait_for("the processes to die with the machine", lambda: all(pid_gone(p) for p in pids), 5)
+    assert get_pod(kube, "doomed")["status"]["phase"] == "Running"
+
+    # No heartbeat: Unknown after the grace, and the unreachable taint (NoSchedule at once, NoExecute by the
+    # taint manager; the pod tolerates NoExecute for 300 s, DefaultTolerationSeconds).
+    got = wait_for(f"{node} to go Unknown", lost, MULTINODE_NODE_GRACE + 10, every=0.5)
+    lost_after = elapsed()
+    assert lost_after < outage, f"{node} seen lost only after {lost_after:.1f} s"
+    wait_for(f"{node}'s unreachable taint", unreachable, max(1.0, outage - elapsed()), every=0.5)
+    assert node_ready(get_node(kube, "ecrec-local-0")) == "True"  # the other nodes beat on
+    pod = get_pod(kube, "doomed")
+    assert pod["status"]["phase"] == "Running" and not pod["metadata"].get("deletionTimestamp"), pod
+
+    # Back up: Ready again, the lost pod Failed (NodeLost), the node takes pods again.
+    wait_for(
+        f"{node} Ready again",
+        lambda: node_ready(get_node(kube, node)) == "True",
+        outage - elapsed() + 15,
+        every=0.5,
+    )
+    back_after = elapsed()
+    assert back_after >= outage - 1, f"{node} Ready again after {back_after:.1f} s of a {outage} s outage"
+    pod = wait_for("doomed to end Failed", failed, 15)
+    assert pod["status"]["reason"] == "NodeLost", pod["status"]
+    [cs] = pod["status"]["containerStatuses"]
+    assert cs["state"]["terminated"]["exitCode"] == 137 and not cs["ready"], cs
+    assert f"{NS}/doomed" not in kubelet_multinode.pids()
+    # restartPolicy Always: started again, as after a kubelet restart (its object said Running all along)
+    wait_for("survivor's restart", lambda: restarted(get_pod(kube, "survivor")), 15)
+    assert pid("survivor") not in pids
+    kube.wait_nodes_schedulable([node], 30)
+    apply(kube, pod_manifest("reborn", nodeSelector={HOSTNAME: node}, restartPolicy="Never"))
+    assert running(kube, "reborn", 30)["spec"]["nodeName"] == node
+    assert get_pod(kube, "doomed")["status"]["phase"] == "Failed"  # not started again
+    ready = next(c for c in got["status"]["conditions"] if c["type"] == "Ready")
+    print(
+        f"{node}: {ready['status']} ({ready.get('reason')}) after {lost_after:.1f} s, Ready after {back_after:.1f} s"
+    )
+    kube.kubectl("annotate", "node", node, *(f"{k}-" for k in down))
+    kube.kubectl("delete", "pods", "doomed", "survivor", "reborn", "-n", NS, "--wait=false")
 
 
 @pytest.mark.slow

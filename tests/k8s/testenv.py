@@ -87,6 +87,8 @@ class KubeTestEnv:
         controllers: str | None = None,
         service_cidr: str | None = None,
         scheduler: bool = False,
+        node_grace: float | None = None,
+        node_monitor_period: float | None = None,
     ) -> Path:
         """Starts the control plane in `state_dir`; stops it by itself once `watch_pid` has exited.
         `scheduler`: run kube-scheduler (ECREC_KUBE_SCHEDULER=1; the controller-manager then runs the node
@@ -94,7 +96,12 @@ class KubeTestEnv:
         them. `controllers`: the controller-manager's (ECREC_KUBE_CONTROLLERS; e.g. add deployment,replicaset).
         `service_cidr`: the Service ClusterIP range (ECREC_KUBE_SERVICE_CIDR; default 127.0.10.0/24). Two
         control planes in one test session need different ones: each kubelet's proxy listens on its Services'
-        ClusterIPs on the same loopback, and the same IP and port from both fails the second bind."""
+        ClusterIPs on the same loopback, and the same IP and port from both fails the second bind.
+        `node_grace`, `node_monitor_period` (seconds; with the scheduler): the node lifecycle controller marks
+        a node Unknown, and taints it unreachable, after `node_grace` s without a heartbeat (status or Lease;
+        ECREC_KUBE_NODE_GRACE, default Kubernetes' 40 s), looking every `node_monitor_period` s
+        (ECREC_KUBE_NODE_MONITOR_PERIOD, default 5 s). The test kubelet's node loss (kubelet/outages.py) wants
+        both short; its heartbeat must stay well within the grace."""
         env = dict(os.environ)
         if watch_pid:
             env["ECREC_KUBE_WATCH_PID"] = str(watch_pid)
@@ -103,6 +110,10 @@ class KubeTestEnv:
         if service_cidr:
             env["ECREC_KUBE_SERVICE_CIDR"] = service_cidr
         env["ECREC_KUBE_SCHEDULER"] = "1" if scheduler else "0"
+        if node_grace is not None:
+            env["ECREC_KUBE_NODE_GRACE"] = f"{node_grace:g}"
+        if node_monitor_period is not None:
+            env["ECREC_KUBE_NODE_MONITOR_PERIOD"] = f"{node_monitor_period:g}"
         proc = subprocess.run(
             [str(SCRIPT), "start", str(state_dir)],
             stdin=subprocess.DEVNULL,

@@ -82,12 +82,15 @@ Tolerations = Annotated[
     list[Toleration],
     Field(default_factory=list, description=_K8S + "Taints the role's pods tolerate"),
 ]
+# Kubernetes' name formats (a DNS-1123 label: a Service, a volume; a subdomain: most object names).
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ServiceAccountName = Annotated[
     str | None,
     Field(
         default=None,
         max_length=253,
-        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        pattern=DNS1123_SUBDOMAIN,
         description=_K8S + "ServiceAccount the role's pods run as (e.g. one bound to a cloud identity for "
         "reading training data); unset = the namespace's default. ECRec's own processes need no API access",
     ),

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field
 
 from ecrec.spec.base import _Section
-from ecrec.spec.pods import Toleration
+from ecrec.spec.pods import DNS1123_LABEL, DNS1123_SUBDOMAIN, Toleration
 
 # -- the operator's own names (ecrec_operator.render uses these) ------------------------------------------
 OPERATOR_LABEL_PREFIX = "ecrec.dev/"  # job, role, shard, rank, spare, incarnation: how pods are found again
@@ -50,8 +50,8 @@ CONTAINER = "ecrec"  # the name a template's container entry uses for the role's
 
 # -- Kubernetes' name rules (apimachinery validation), as the API server applies them ------------------------
 _NAME63 = r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]"
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS1123_LABEL = re.compile(DNS1123_LABEL)
+_DNS1123_SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN)
 _LABEL_NAME = re.compile(f"^{_NAME63}$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")  # the rule of every apiserver before 1.30
 

@@ -17,15 +17,19 @@ real API server:
 - **honours restartPolicy** (lifecycle.py) and **deletes** pods gracefully (termination.py);
 - **pauses** a pod's processes on its pause annotations, the stand-in for Chaos Mesh's pod-failure
   (pauses.py);
+- **loses a node** on its node-down annotations, the stand-in for a machine dying (`ecrec chaos --node`): no
+  heartbeat (the node lifecycle controller marks it Unknown), its pods' processes SIGKILLed and nothing
+  reported; back up after the outage, its lost pods end Failed with reason NodeLost (outages.py);
 - writes **volumes** (emptyDir, configMap, secret, persistentVolumeClaim) and **service-account credentials**
   under the pod's directory, rewriting paths to them (volumes.py);
 - stands in for **cluster networking** by rewriting Service DNS names in env values (dns.py, with
   tests/k8s/kubeproxy.py).
 
 Each of those modules' docstrings says exactly what its part does. The parts: kubelet.py (`TestKubelet`: the
-process, its watches and pod workers), node.py (the node object), scheduler.py (binding), lifecycle.py
-(`PodWorker`, one thread per pod, made of the mixins in env.py, dns.py, volumes.py, probes.py, pauses.py,
-termination.py and status.py over pod.py's shared state), images.py, processes.py, ips.py, api.py.
+process, its watches and pod workers, with outages.py's node loss), node.py (the node object), scheduler.py
+(binding), lifecycle.py (`PodWorker`, one thread per pod, made of the mixins in env.py, dns.py, volumes.py,
+probes.py, pauses.py, termination.py and status.py over pod.py's shared state), images.py, processes.py,
+ips.py, api.py.
 
 **Not done**: container images, resource limits, namespaces/cgroups, hostPort, securityContext (the processes
 run as this user), NetworkPolicy (nothing enforces it), lifecycle hooks, ephemeral containers,

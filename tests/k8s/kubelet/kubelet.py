@@ -5,6 +5,8 @@ kube-proxy (tests/k8s/kubeproxy.py), registers its nodes (node.py), watches the 
 `bind_pending` (one node only), the unbound ones (scheduler.py); each pod bound to one of its nodes gets a
 `PodWorker` thread (lifecycle.py) until its object is gone. `stop()` terminates every process the kubelet
 started (SIGTERM, SIGKILL after `stop_grace`) and marks its nodes NotReady; pod objects stay as they are.
+A node's machine can die for a while on its annotations (outages.py): its workers crash, its pod events are
+ignored until it is back.
 
 Per process: the API client, the fork server, the proxy, the pod IPs (ips.py), the log (`kubelet.log`), the
 nodes' capacity (all alike: this machine's). Per node (`node_names`; one by default, `ecrec-local-0..N-1`
@@ -13,8 +15,9 @@ With one node and `bind_pending`, the `Binder` binds every pending pod to it; wi
 (hack/kube-testenv starts it unless ECREC_KUBE_SCHEDULER=0), pass `bind_pending=False`: the scheduler binds,
 the kubelet only runs what is bound to its nodes. Several nodes always leave the binding to the scheduler.
 
-Locks: `_lock` guards `_workers`, `_finished` and `_streams` (the open watch responses); a pod worker is
-started under it, so that stop() never misses one it must join; nothing blocking runs with it held.
+Locks: `_lock` guards `_workers`, `_finished`, `_streams` (the open watch responses) and the outages' `_down`
+and `_lost`; a pod worker is started under it, so that stop() never misses one it must join, nor node_down()
+one it must crash; nothing blocking runs with it held.
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from .dns import target_port
 from .ips import IPS
 from .lifecycle import PodWorker
 from .node import NODE_NAME, Node, node_capacity, node_names
+from .outages import KubeletOutages
 from .scheduler import Binder
 
 LOGGER = "ecrec.test-kubelet"  # + ".<node>": one logger (and kubelet.log) per kubelet
 
 
-class TestKubelet:
+class TestKubelet(KubeletOutages):
     """The kubelet of one or more nodes (and, for one node without kube-scheduler, its scheduler); see the
     package docstring. `start()` returns once the nodes are registered and the watches run; `stop()` kills
     every process it started and returns."""
@@ -99,6 +103,8 @@ class TestKubelet:
         self._threads: list[threading.Thread] = []
         self._streams: set[Any] = set()
         self._finished: set[str] = set()  # uids whose worker ended: late events must not start them again
+        self._down: set[str] = set()  # outages.py: nodes whose machine is down
+        self._lost: dict[str, set[str]] = {}  # outages.py: node -> uids of the pods lost with its machine
         self._stop_deadline = 0.0
         self.log = logging.getLogger(f"{LOGGER}.{self.node_name}")
         self._log_handler: logging.Handler | None = None
@@ -171,7 +177,7 @@ class TestKubelet:
         for node in self.nodes:
             hb = threading.Thread(
                 target=node.heartbeat_loop,
-                args=(self._stopping, self.heartbeat_s),
+                args=(self._stopping, self.heartbeat_s, self.node_down, self.node_up),
                 name=f"heartbeat-{node.name}",
                 daemon=True,
             )
@@ -287,9 +293,12 @@ class TestKubelet:
                 self._stopping.wait(1)
 
     def _sync_node_pods(self, pods: list[dict], node: str) -> None:
-        """A fresh list of the pods bound to `node`: its workers whose pod is not in it are gone."""
+        """A fresh list of the pods bound to `node`: its workers whose pod is not in it are gone. Ignored while
+        its machine is down (node_up lists them again)."""
         uids = {p["metadata"]["uid"] for p in pods}
         with self._lock:
+            if node in self._down:
+                return
             vanished = [
                 w
                 for uid, w in self._workers.items()
@@ -303,6 +312,8 @@ class TestKubelet:
     def _on_pod_event(self, etype: str, pod: dict, node: str) -> None:
         uid = pod["metadata"]["uid"]
         with self._lock:
+            if node in self._down:
+                return  # a dead machine sees nothing; node_up lists its pods again
             w = self._workers.get(uid)
             if etype == "DELETED":
                 if w is not None:

@@ -16,9 +16,13 @@
 Each round of the loop honours a deletion or a stop (termination.py), a pause (pauses.py), drives the
 containers (probes.py for the running ones) and writes the status if it changed (status.py).
 
+- **crashes** with its node's machine (`crash`, outages.py): its process groups SIGKILLed at once, and the
+  worker ends at its next round or status write (`Crashed`), wherever it was (a deletion's grace period too),
+  having written nothing more: a dead machine reports nothing and removes no pod object.
+
 Threads: every process of the pod is started from the worker's thread, so PR_SET_PDEATHSIG ties them to it.
-The worker's state (pod.py's PodBase) belongs to its thread; other threads only call `update`, `gone` and
-`wake`.
+The worker's state (pod.py's PodBase) belongs to its thread; other threads only call `update`, `gone`,
+`wake` and `crash` (which also reads each container's current process, to SIGKILL it at once).
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ from .termination import PodTermination
 from .volumes import VOLUME_KINDS, PodVolumes
 
 BACKOFF_START, BACKOFF_MAX, BACKOFF_RESET_AFTER = 0.5, 10.0, 10.0
+
+
+class Crashed(Exception):
+    """Unwinds a crashed worker (its node's machine died) before it writes anything: from its loop, or from
+    inside a deletion, whose status write and object removal must not happen."""
 
 
 class PodWorker(
@@ -82,6 +91,7 @@ class PodWorker(
         self._written: str | None = None
         self._wake = threading.Event()
         self._gone = threading.Event()  # the object left the API (force-deleted, or deleted by us)
+        self._crashed = threading.Event()  # its node's machine died (crash()): write nothing, end
         self._next_wait = 0.0  # monotonic time before which NotYet conditions are not retried
         # Pauses (chaos): one asked for before this worker admitted the pod is not for its processes.
         self._pause_id = (self._pause_request() or (0.0, None))[1]
@@ -99,10 +109,23 @@ class PodWorker(
     def wake(self) -> None:
         self._wake.set()
 
+    def crash(self) -> None:
+        """Its node's machine died (outages.py): every process group SIGKILLed now, from the caller's thread
+        (the worker may be waiting on the API or in a grace period); the worker ends without writing anything.
+        The flag is set before the kill: a worker that sees a process gone by it sees the flag too."""
+        self._crashed.set()
+        for c in self.inits + self.mains:
+            proc = c.proc
+            if proc is not None:
+                killpg(proc.pid, signal.SIGKILL)
+        self._wake.set()
+
     # -- the loop --
     def run(self) -> None:
         try:
             self._run()
+        except Crashed:
+            self.log.info("%s: its node's machine died: processes killed, nothing reported", self.key)
         except Exception:
             self.log.exception("%s: pod worker failed", self.key)
         finally:
@@ -112,6 +135,8 @@ class PodWorker(
     def _run(self) -> None:
         self._setup()
         while True:
+            if self._crashed.is_set():
+                raise Crashed
             if self._gone.is_set():
                 self.log.info("%s: the pod object is gone; killing its processes", self.key)
                 self._kill_all(grace=0)
@@ -128,6 +153,13 @@ class PodWorker(
             self._write_status()
             self._wake.wait(0.1)
             self._wake.clear()
+
+    def _write_status(self) -> None:
+        """PodStatus's, unless the node's machine died: then the worker unwinds (Crashed) instead, even from
+        inside a deletion (termination.py), which would otherwise report and remove the pod object."""
+        if self._crashed.is_set():
+            raise Crashed
+        super()._write_status()
 
     def _setup(self) -> None:
         status = self.pod.get("status") or {}

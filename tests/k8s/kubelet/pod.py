@@ -5,7 +5,7 @@ declaration of the worker's state (`PodBase`) and of what it uses of its kubelet
 PodDNS (dns.py), PodVolumes (volumes.py), PodProbes (probes.py), PodPauses (pauses.py), PodTermination
 (termination.py) and PodStatus (status.py). Each of them is a `PodBase`: the attributes below are set once in
 `PodWorker.__init__` and read and written only from the worker's own thread, so no lock guards them; other
-threads only call `update`, `gone` and `wake` (a reference swap and events).
+threads only call `update`, `gone`, `wake` and `crash` (a reference swap and events).
 """
 
 from __future__ import annotations

@@ -1,0 +1,158 @@
+"""A node lost, end to end, on the 4-node test cluster (`kube_multinode`: the real kube-scheduler and node
+lifecycle controller, one test kubelet serving four nodes): `ecrec chaos --node` as a user runs it, with the
+annotation injector (the test kubelet kills the node's processes and stops its heartbeat, as a dead machine
+would). The node lifecycle controller marks it NotReady (Ready Unknown), the operator deletes the job's pods
+there (their phase still says Running) and replaces them on other nodes, and the job rebuilds its servers.
+
+- servers spread over the nodes (`servers.failureDomain`): any node may go, the job goes on and succeeds with
+  parity exact;
+- servers sharing a node (FailureDomainsAtRisk): losing it loses more than r shards at once, and the job fails
+  at once with a reason naming them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from . import util
+from .conftest import MULTINODE_NODES
+from .test_operator_e2e import running_operator
+from .testenv import KubeTestEnv, schedulable_nodes
+from .util import wait_for
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+NS = "node-loss-e2e"
+HOSTNAME = "kubernetes.io/hostname"
+SMALL = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+
+
+@pytest.fixture(scope="module")
+def ns(kube_multinode: KubeTestEnv, kubelet_multinode) -> str:
+    kube_multinode.kubectl("create", "namespace", NS)
+    return NS
+
+
+@pytest.fixture(scope="module")
+def operator(kube_multinode: KubeTestEnv, ns: str, tmp_path_factory):
+    with running_operator(kube_multinode, tmp_path_factory.mktemp("operator-node-loss"), NS) as op:
+        yield op
+
+
+def start(kube: KubeTestEnv, name: str, steps: int, **overrides) -> None:
+    spec = {
+        "servers.replicas": 4,
+        "faultTolerance.ecrec.k": 3,
+        "servers.failureDomain": HOSTNAME,
+        "servers.resources": SMALL,
+        "workers.resources": SMALL,
+        "coordinator.resources": SMALL,
+        "training.steps": steps,
+        **overrides,
+    }
+    kube.kubectl("apply", "-f", "-", input=util.job_manifest(name, NS, **spec))
+    wait_for(
+        "training to run",
+        lambda: (util.get_job(kube, NS, name).get("status") or {}).get("step", 0) >= 10,
+        timeout=180,
+    )
+
+
+def chaos_json(kube: KubeTestEnv, name: str, *args: str) -> tuple[int, dict]:
+    proc = util.chaos(kube.kubeconfig, NS, "--job", name, "-o", "json", *args)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}
+
+
+def node_of(kube: KubeTestEnv, pod: str) -> str:
+    return json.loads(kube.kubectl("get", "pod", pod, "-n", NS, "-o", "json").stdout)["spec"]["nodeName"]
+
+
+def events_of(kube: KubeTestEnv, name: str) -> list[dict]:
+    out = kube.kubectl(
+        "get", "events", "-n", NS, "-o", "json", "--field-selector", f"involvedObject.name={name}"
+    )
+    return json.loads(out.stdout)["items"]
+
+
+def test_a_job_spread_over_the_nodes_survives_a_random_node_loss(kube_multinode: KubeTestEnv, operator):
+    kube, name = kube_multinode, "spread-loss"
+    start(kube, name, steps=2500)
+    wait_for(
+        "FailureDomainsAtRisk=False",
+        lambda: any(
+            c["type"] == "FailureDomainsAtRisk" and c["status"] == "False"
+            for c in (util.get_job(kube, NS, name).get("status") or {}).get("conditions") or []
+        ),
+        60,
+    )
+    code, out = chaos_json(
+        kube, name, "--node", "random", "--duration", "40", "--seed", "3", "--timeout", "300"
+    )
+    faults = out["faults"]
+    assert code == 0, out
+    node = faults[0]["node"]
+    assert node.startswith("ecrec-local-") and all(f["node"] == node for f in faults), faults
+    assert all(f["action"] == "node-loss" and f["outcome"] == "recovered" for f in faults), faults
+    # Four servers on four nodes: whichever node went took one server (and maybe more of the job's pods).
+    servers = [f for f in faults if f["role"] == "server"]
+    assert len(servers) == 1 and servers[0]["rowsRecovered"] > 0, faults
+    shard = servers[0]["index"]
+    # The operator deleted the silent pods of the lost node (phase still Running: nobody reported otherwise)
+    # and their replacements run elsewhere.
+    lost = [e for e in events_of(kube, name) if e["reason"] == "NodeLost"]
+    assert {f["pod"] for f in faults} <= {e["message"].split(":")[0].removeprefix("pod ") for e in lost}, lost
+    assert all(f"node {node} stopped reporting" in e["message"] for e in lost), lost
+    replacement = [
+        p
+        for p in util.pods(kube, NS, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={shard}")
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+    assert replacement and all(p["spec"]["nodeName"] != node for p in replacement), replacement
+    status = util.wait_done(kube, NS, name, timeout=600)
+    assert util.completed_recoveries(status, shard), status.get("recoveries")
+    assert status["parityCheck"]["mismatches"] == 0
+    # The node came back (the outage lasted 40 s) and takes pods again.
+    wait_for(
+        f"{node} Ready again",
+        lambda: node in schedulable_nodes(json.loads(kube.kubectl("get", "nodes", "-o", "json").stdout)),
+        90,
+    )
+    kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
+    wait_for("the job's pods to go", lambda: util.pods(kube, NS, f"ecrec.dev/job={name}") == [], 90)
+
+
+def test_servers_sharing_a_node_fail_the_job_naming_the_shards_when_it_is_lost(
+    kube_multinode: KubeTestEnv, operator
+):
+    kube, name = kube_multinode, "shared-loss"
+    shared, other = "ecrec-local-2", "ecrec-local-0"
+    assert MULTINODE_NODES >= 3
+    start(
+        kube,
+        name,
+        steps=5000,
+        **{
+            "servers.template": {"spec": {"nodeSelector": {HOSTNAME: shared}}},
+            # Everything else elsewhere: the loss is the servers' alone.
+            "coordinator.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
+            "workers.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
+        },
+    )
+    code, out = chaos_json(kube, name, "--node", shared, "--duration", "30", "--timeout", "300")
+    assert code == 1, out
+    faults = out["faults"]
+    assert sorted((f["role"], f["index"]) for f in faults) == [("server", s) for s in range(4)], faults
+    assert {f["outcome"] for f in faults} == {"job failed"}, faults
+
+    def failed():
+        st = util.get_job(kube, NS, name).get("status") or {}
+        return st if st.get("phase") == "Failed" else None
+
+    reason = wait_for("the job to fail", failed, 120)["reason"]
+    # At least two of the four are lost by the time the coordinator decides: it names those it knows of.
+    assert "servers lost at once, more than r=1 can rebuild: shards " in reason, reason
+    named = reason.split("shards ")[1].split(";")[0]
+    assert len([s for s in range(4) if f"{s} (failed)" in named]) >= 2, reason
+    kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
