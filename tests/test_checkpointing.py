@@ -299,3 +299,106 @@ def test_a_successor_under_cpr_trains_on_and_restores_a_replacement_that_was_wai
     assert c.phase is Phase.TRAINING and c.control()["rollback"] == 0  # nobody stops
     assert not c.shard_ready(0) and not c.shard_ready(1)
     assert c.registered(0) == [Act("restore", 5, (0,))]  # shard 0's replacement comes later
+
+
+# -- strategy ecrec's checkpoint fallback --------------------------------------------------------------------
+def fallback(workers=2, servers=5, **kw) -> CheckpointCycle:
+    return cycle("checkpoint", workers, servers, fallback=True, **(kw or {"interval_seconds": 10.0}))
+
+
+def checkpointed(c: CheckpointCycle, step: int, now: float) -> int:
+    """Every rank at `step` pauses for the checkpoint due at `now`, which is written and committed."""
+    c.tick(now)
+    ckpt = c.control()["pause"]
+    for rank in range(c.num_workers):
+        report(c, rank, step, paused=ckpt)
+    c.written(ckpt, True, now=now + 1)
+    return ckpt
+
+
+def test_fallback_a_lost_shard_holds_checkpoints_off_until_ecrec_rebuilt_it_nobody_stops():
+    c = fallback()
+    report(c, 0, 5)
+    report(c, 1, 5)
+    assert checkpointed(c, 5, 10.0) == 1
+    report(c, 0, 9)
+    report(c, 1, 9)
+    assert c.failure(3) == [] and c.phase is Phase.TRAINING and c.control()["rollback"] == 0
+    assert c.registered(3) == []  # its replacement: ECRec rebuilds it, nothing is restored
+    assert c.tick(30.0) == [] and c.control()["pause"] is None  # due, but held off while shard 3 is down
+    assert c.rebuilt(3) == []
+    assert c.tick(30.0) == [] and c.control()["pause"] == 2
+    assert c.rollbacks == 0 and c.steps_redone == 0
+
+
+def test_fallback_a_failure_while_paused_abandons_that_checkpoint_and_lets_the_workers_go():
+    c = fallback()
+    c.tick(10.0)
+    report(c, 0, 5, paused=1)
+    assert c.control()["pause"] == 1
+    assert c.failure(0) == [] and c.control()["pause"] is None and c.phase is Phase.TRAINING
+    report(c, 1, 5, paused=1)  # the other worker's late pause changes nothing
+    assert c.phase is Phase.TRAINING
+
+
+def test_fallback_more_than_r_lost_rolls_every_rank_back_to_the_last_checkpoint():
+    c = fallback()
+    report(c, 0, 5)
+    report(c, 1, 5)
+    checkpointed(c, 5, 10.0)
+    report(c, 0, 12)
+    report(c, 1, 11)
+    c.failure(1)
+    c.registered(1)  # a replacement registered: ECRec started rebuilding it
+    c.failure(4)  # a second shard lost while the first is rebuilt: stripes parity cannot rebuild
+    assert c.beyond_parity((1, 4), registered=(1,)) == [] and c.phase is Phase.STOPPING
+    assert c.control()["rollback"] == 1 and c.control()["resume"] is None
+    assert c.beyond_parity((1, 4), registered=(1,)) == [] and c.control()["rollback"] == 1  # once
+    assert c.failure(3) == [] and c.control()["rollback"] == 1  # a third: one more for the same rollback
+    assert c.registered(3) == []
+    assert c.rebuilt(1) == []  # a rebuild finishing now is the restore's business
+    assert report(c, 0, 12, stopped=1) == [] and report(c, 1, 11, stopped=1) == []  # shard 4 not back
+    assert c.registered(4) == [Act("restore", 1, (0, 1, 2, 3, 4))] and c.phase is Phase.RESTORING
+    c.restored((0, 1, 2, 3, 4), True, now=20.0)
+    assert c.control()["resume"] == {"0": [5, 50], "1": [5, 50]} and c.phase is Phase.TRAINING
+    assert c.rollbacks == 1 and c.steps_redone == (12 - 5) + (11 - 5) and not c.failed
+    assert c.tick(31.0) == [] and c.control()["pause"] == 2  # checkpoints go on
+
+
+def test_fallback_without_a_checkpoint_yet_rolls_back_to_the_initial_state():
+    c = fallback()
+    report(c, 0, 3, stopped=0)
+    report(c, 1, 3)
+    c.beyond_parity((0, 2))
+    report(c, 0, 3, stopped=1)
+    report(c, 1, 3, stopped=1)
+    c.registered(0)
+    assert c.registered(2) == [Act("restore", None, (0, 1, 2, 3, 4))]
+
+
+def test_fallback_writes_no_final_checkpoint_and_is_finished_when_every_worker_is_done():
+    c = fallback()
+    report(c, 0, 100, done=True)
+    assert not c.finished
+    report(c, 1, 100, done=True)
+    assert c.tick(50.0) == [] and c.control()["pause"] is None and c.phase is Phase.TRAINING
+    assert c.finished and c.control()["finished"]
+
+
+def test_fallback_successor_rolls_back_only_if_its_predecessor_was_and_above_its_generations():
+    c = CheckpointCycle("checkpoint", 2, 5, interval_seconds=10.0, fallback=True)
+    assert c.taken_over(None, None, generation=2, now=0.0, failed=(3,), registered=(3,)) == []
+    assert c.phase is Phase.TRAINING and c.failed == {3} and c.control()["rollback"] == 0  # ECRec rebuilds 3
+    c.rebuilt(3)
+    c.beyond_parity((0, 1))
+    assert c.control()["rollback"] == (1 << 20) + 1  # above any generation the predecessor published
+    s = CheckpointCycle("checkpoint", 2, 5, interval_seconds=10.0, fallback=True)
+    s.taken_over(None, None, generation=3, now=0.0, rolling_back=True)
+    assert s.phase is Phase.STOPPING and s.control()["rollback"] == (2 << 20) + 1
+
+
+def test_fallback_is_a_full_checkpoint_of_strategy_checkpoint_and_only_it_goes_beyond_parity():
+    with pytest.raises(ValueError, match="full checkpoints"):
+        CheckpointCycle("checknrun", 2, 5, interval_seconds=10.0, fallback=True)
+    with pytest.raises(ValueError, match="fallback"):
+        cycle().beyond_parity((0, 1))

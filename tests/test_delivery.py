@@ -11,6 +11,7 @@ A's rows were applied twice (params_sha256 off, parity still exact).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import grpc
@@ -56,6 +57,7 @@ class NetTransport:
         self.before_deliver: dict = {}
         self.map = net.view()
         self.degraded_writes = 0
+        self.interrupt = threading.Event()
 
     @property
     def epoch(self) -> int:

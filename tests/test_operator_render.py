@@ -298,6 +298,35 @@ def test_the_claim_is_mounted_where_the_coordinator_and_servers_read_the_checkpo
             assert volumes[render.CHECKPOINT_VOLUME]["persistentVolumeClaim"] == {"claimName": "ckpt"}
 
 
+def fallback_job(**settings):
+    import dataclasses
+
+    from ecrec.spec import JobSpec
+
+    job = k8s_job()
+    doc = job.spec.to_dict()
+    doc["faultTolerance"]["ecrec"]["fallback"] = {"intervalSeconds": 600, **settings}
+    return dataclasses.replace(job, spec=JobSpec.model_validate(doc))
+
+
+def test_the_ecrec_fallback_needs_its_claim_and_mounts_it_as_a_checkpoint_strategy_does():
+    import json
+
+    [problem] = render.kubernetes_problems(fallback_job())
+    assert problem.startswith("spec.faultTolerance.ecrec.fallback.volumeClaim: required on Kubernetes")
+    job = fallback_job(volumeClaim="ckpt", path="runs/b")
+    assert render.kubernetes_problems(job) == []
+    expected = f"{render.CHECKPOINT_DIR}/k8s-small/runs/b"
+    for role in ("coordinator", "server", "worker"):
+        spec = render.pod(job, "ns", role, 0, 1)["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        ft = json.loads(env["ECREC_JOB"])["spec"]["faultTolerance"]
+        assert ft["strategy"] == "ecrec" and ft["ecrec"]["fallback"]["path"] == expected
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert (render.CHECKPOINT_VOLUME in volumes) == (role != "worker")
+
+
 def test_the_status_carries_the_checkpoint_account():
     job = checkpoint_job(volumeClaim="ckpt")
     now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

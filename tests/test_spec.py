@@ -603,8 +603,11 @@ def test_crd_defaults_match_the_model_and_leave_preset_fields_alone() -> None:
             continue  # defaults inside list items (tolerations[].operator) are checked in test_crd.py
         value = defaults
         for part in path.split(".")[1:]:
+            if value is None:  # inside an optional section absent by default (ecrec.fallback): its own
+                break
             value = value[part]
-        assert node["default"] == value, path
+        else:
+            assert node["default"] == value, path
         assert _validate(node["default"], node, path) == []
         seen += 1
     assert seen > 30
@@ -637,3 +640,17 @@ def test_job_is_frozen() -> None:
     assert isinstance(job, Job)
     with pytest.raises(AttributeError):
         job.name = "x"  # type: ignore[misc]
+
+
+def test_checkpoints_are_a_checkpoint_strategys_section_or_ecrecs_fallback() -> None:
+    def ft(doc: dict):
+        return job_from_dict({**TINY, "servers": {"replicas": 5}, "faultTolerance": doc}).spec.fault_tolerance
+
+    assert ft({"strategy": "none"}).checkpoints() is None
+    assert ft({"strategy": "ecrec"}).checkpoints() is None
+    where, settings = ft({"strategy": "cpr", "cpr": {"intervalSeconds": 5}}).checkpoints()
+    assert where == "faultTolerance.cpr" and settings.interval_seconds == 5
+    where, settings = ft({"strategy": "ecrec", "ecrec": {"fallback": {"intervalSteps": 100}}}).checkpoints()
+    assert where == "faultTolerance.ecrec.fallback" and settings.interval_steps == 100 and settings.keep == 2
+    with pytest.raises(SpecError, match="fallback"):
+        ft({"strategy": "ecrec", "ecrec": {"fallback": {"quantizeBits": 8}}})  # checkpoint's settings only

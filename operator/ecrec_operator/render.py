@@ -27,7 +27,6 @@ from typing import Any
 import yaml
 
 from ecrec import auth
-from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
 from ecrec.core.reconcile import Proc
 from ecrec.core.roles import ROLES
 from ecrec.podlabels import (
@@ -40,7 +39,7 @@ from ecrec.podlabels import (
     spare_index,
 )
 from ecrec.roles import role_argv
-from ecrec.spec import Job, JobSpec, ServersSpec
+from ecrec.spec import Job, JobSpec, ServersSpec, section_at
 from ecrec.spec.template import CHECKPOINT_DIR, CHECKPOINT_VOLUME, SCRATCH_ENV, TMP_DIR, TMP_VOLUME
 
 from . import podtemplate
@@ -203,10 +202,10 @@ def labels(job: str, role: str, index: int | None = None, incarnation: int | Non
 
 def kubernetes_problems(job: Job) -> list[str]:
     """What a spec the schema accepts still lacks to run on Kubernetes (ecrec local needs none of it)."""
-    ft = job.spec.fault_tolerance
-    if ft.strategy not in CHECKPOINT_STRATEGIES:
+    found = job.spec.fault_tolerance.checkpoints()
+    if found is None:
         return []
-    settings, where = getattr(ft, ft.strategy), f"spec.faultTolerance.{ft.strategy}"
+    where, settings = f"spec.{found[0]}", found[1]
     out = []
     if not settings.volume_claim:
         out.append(
@@ -224,12 +223,12 @@ def kubernetes_problems(job: Job) -> list[str]:
 
 def pod_job(job: Job) -> Job:
     """The job as its pods read it: a checkpoint strategy's `path` made absolute, under the claim's mount."""
-    ft = job.spec.fault_tolerance
-    if ft.strategy not in CHECKPOINT_STRATEGIES:
+    found = job.spec.fault_tolerance.checkpoints()
+    if found is None:
         return job
     doc = job.spec.to_dict()
-    section = doc["faultTolerance"].setdefault(ft.strategy, {})
-    section["path"] = f"{CHECKPOINT_DIR}/{job.name}/{getattr(ft, ft.strategy).path}"
+    section = section_at(doc, found[0])
+    section["path"] = f"{CHECKPOINT_DIR}/{job.name}/{found[1].path}"
     return dataclasses.replace(job, spec=JobSpec.model_validate(doc))
 
 
@@ -348,8 +347,8 @@ def pod(
         "ports": ports,
         "volumeMounts": [{"name": TMP_VOLUME, "mountPath": TMP_DIR}],
     }
-    ft = spec.fault_tolerance
-    claim = getattr(ft, ft.strategy).volume_claim if ft.strategy in CHECKPOINT_STRATEGIES else None
+    found = spec.fault_tolerance.checkpoints()
+    claim = found[1].volume_claim if found is not None else None
     if claim and role != "worker":  # workers never touch checkpoint files
         container["volumeMounts"].append({"name": CHECKPOINT_VOLUME, "mountPath": CHECKPOINT_DIR})
     if d.container_security_context:

@@ -81,12 +81,21 @@ class PSClient:
         self.states: dict[int, str] = {}
         self.incarnations: dict[int, int] = {}
         self.epoch = 0
+        # Set when the job rolls back (the worker's Holds): retried calls give up at once (retries.Interrupted).
+        self.interrupt = threading.Event()
         self._map_lock = threading.Lock()  # the training thread and the update thread both adopt maps
         # Enough threads for the training thread's pulls and the update thread's fan-out at once.
         self._pool = ThreadPoolExecutor(max_workers=4 * ctx.num_servers + 4, thread_name_prefix="rpc")
         # before the first map: adopting one may flush its decisions
         self.updates = DeltaLogDriver(self) if _delta_log(ctx) else UpdateDriver(self)
         self.update_cluster(cluster)
+
+    def rolled_back(self) -> None:
+        """The job rolled back to a checkpoint: the servers hold its state, with nothing in flight; so does this
+        client from now on (no decision or delivery of an update before it is carried over)."""
+        self.updates = DeltaLogDriver(self) if _delta_log(self.ctx) else UpdateDriver(self)
+        self.interrupt.clear()
+        self.refresh()
 
     @classmethod
     def from_coordinator(cls, ctx: JobContext, url: str, **kw) -> PSClient:
@@ -251,6 +260,7 @@ class PSClient:
         retries = Retries(
             f"pull of {g.numel()} rows" + (" and the dense parameters" if dense else ""),
             self.progress_timeout,
+            self.interrupt,
         )
         while True:
             calls, wanted, orphaned, retry_chunks = [], {}, False, []

@@ -77,7 +77,7 @@ class DeltaLogDriver:
         dense_grad = dense_grad.to("cpu", torch.float32)
         holders = [ctx.dense_holders(c) for c in range(ctx.num_servers)]
         update = StepUpdate(step, ctx.placement, g, holders, stable_txns=True)
-        retries = Retries(f"update {step}", self.client.progress_timeout)
+        retries = Retries(f"update {step}", self.client.progress_timeout, self.client.interrupt)
         unanswered: list[tuple[Part, list]] = []  # deltas a live parity server has not answered for
         while True:
             errors: dict[int, grpc.RpcError] = {}

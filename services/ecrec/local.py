@@ -34,7 +34,7 @@ from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, recon
 from ecrec.forkserver import Forked, ForkServer
 from ecrec.jobctx import JobContext
 from ecrec.roles import CPUS_ENV, role_argv
-from ecrec.spec import JobSpec
+from ecrec.spec import JobSpec, section_at
 
 
 class JobFailed(RuntimeError):
@@ -102,7 +102,7 @@ class LocalCluster:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "logs").mkdir(exist_ok=True)
         self.job_file = self.out_dir / "job.json"
-        if self.ctx.checkpointing:  # a relative checkpoint directory lives under OUT, wherever processes run
+        if self.ctx.spec.fault_tolerance.checkpoints():  # a relative checkpoint directory lives under OUT
             self.ctx = _absolute_checkpoint_path(self.ctx, self.out_dir)
         self.job_file.write_text(self.ctx.to_json())
         # The job's token (ecrec.auth): every process gets it by env, the launcher's own calls carry it.
@@ -735,9 +735,9 @@ def write_report(report: dict, path: Path) -> None:
 
 def _absolute_checkpoint_path(ctx: JobContext, out_dir: Path) -> JobContext:
     doc = ctx.spec.to_dict()
-    ft = doc["faultTolerance"]
-    section = ft.setdefault(ft["strategy"], {})
-    path = Path(section.get("path") or "checkpoints")
+    where, settings = ctx.spec.fault_tolerance.checkpoints()
+    section = section_at(doc, where)
+    path = Path(settings.path)
     section["path"] = str(path if path.is_absolute() else (out_dir / path).resolve())
     job = dataclasses.replace(ctx.job, spec=JobSpec.model_validate(doc))
     return dataclasses.replace(ctx, job=job)

@@ -4,6 +4,7 @@ operation (what was refused, when to give up, how long to back off)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import grpc
@@ -26,8 +27,9 @@ class Retries:
     after `timeout` seconds without progress, naming the last server and status. Backs off while nothing
     progresses, so a server that keeps refusing is not asked thousands of times a second."""
 
-    def __init__(self, what: str, timeout: float):
-        self.what, self.timeout = what, timeout
+    def __init__(self, what: str, timeout: float, interrupt: threading.Event | None = None):
+        """`interrupt`: once set, `check` gives up at once (`Interrupted`): the job rolls back."""
+        self.what, self.timeout, self.interrupt = what, timeout, interrupt
         self.deadline = time.monotonic() + timeout
         self.counts: dict[tuple[int, str, str], int] = {}
         self.last: str | None = None
@@ -56,6 +58,8 @@ class Retries:
             self.counts, self.logged_at = {}, now
 
     def check(self) -> None:
+        if self.interrupt is not None and self.interrupt.is_set():
+            raise Interrupted(self.what)
         if time.monotonic() > self.deadline:
             raise Stalled(
                 f"{self.what}: no progress for {self.timeout:g}s; last refusal: {self.last or 'none (no answer)'}"
@@ -70,3 +74,13 @@ class ServerUnavailable(RuntimeError):
     def __init__(self, shard: int, cause: grpc.RpcError):
         super().__init__(f"server {shard} unavailable: {cause.code().name}: {cause.details()}")
         self.shard, self.cause = shard, cause
+
+
+class Interrupted(ServerUnavailable):
+    """A retried call given up because the job rolls back to a checkpoint (strategy ecrec's fallback, when
+    more than r servers are lost): what it waited for comes back only by the restore. Handled where a lost
+    server is (the worker stops for the rollback); no server to blame (`shard` -1)."""
+
+    def __init__(self, what: str):
+        RuntimeError.__init__(self, f"{what}: interrupted by a rollback to the last checkpoint")
+        self.shard, self.cause = -1, None

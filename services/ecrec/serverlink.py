@@ -161,6 +161,7 @@ class CoordinatorLink:
                         incarnation=self.incarnation,
                         metricsUrl=self.metrics_url,
                         cpuSeconds=time.process_time(),
+                        forwardsHeld=store.forwards_held(),
                     )
                 )
             except httpx.HTTPError as e:
@@ -172,6 +173,7 @@ class CoordinatorLink:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             servicer.view.update(body["cluster"])
+            store.hold_forwards(bool(body.get("rollingBack")))
             store.epoch = max(store.epoch, int(body["epoch"]))
             servicer.metrics.of(servicer.metrics.epoch).set(store.epoch)
             try:

@@ -40,6 +40,7 @@ class Transport(Protocol):
     epoch: int
     timeout: float
     progress_timeout: float
+    interrupt: threading.Event  # set: retried calls give up (the job rolls back)
     metrics: Metrics
     stubs: dict[int, Any]
 
@@ -155,7 +156,7 @@ class UpdateDriver:
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
         update = StepUpdate(step, ctx.placement, g, [ctx.dense_holders(c) for c in range(ctx.num_servers)])
-        retries = Retries(f"update {step}", self.client.progress_timeout)
+        retries = Retries(f"update {step}", self.client.progress_timeout, self.client.interrupt)
         while True:
             parts = update.plan(self.client.view())
             if not parts:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -27,7 +28,7 @@ from ecrec import faults
 from ecrec.client import Pending, PSClient
 from ecrec.coordinator.client import CoordinatorClient, Refused
 from ecrec.coordinator.contract import Progress, RegisterWorker
-from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, ROLLBACK_STRATEGIES
+from ecrec.core.checkpointing import ROLLBACK_STRATEGIES
 from ecrec.core.recovery import MAX_STEP_TIMES
 from ecrec.data import Batch, make_data_source
 from ecrec.jobctx import JobContext
@@ -257,6 +258,9 @@ class ProgressReporter:
         self._refused: SystemExit | None = None  # the coordinator refused this process (from the loop)
         self.done = False  # all steps trained (a rollback can undo it)
         self.control: dict | None = None
+        self.on_control: Callable[[dict], None] | None = (
+            None  # called with each control the coordinator sends
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -300,6 +304,8 @@ class ProgressReporter:
         answer = self.link.progress(Progress(**body, **counters))
         if answer.get("control") is not None:
             self.control = answer["control"]
+            if self.on_control is not None:
+                self.on_control(self.control)
 
     def post_now(self) -> None:
         """A report at once (the coordinator waits for it), retried while no coordinator answers."""
@@ -325,9 +331,11 @@ class ProgressReporter:
 
 
 class Holds:
-    """A worker's side of the checkpoint strategies (docs/protocol.md, "Checkpoint strategies"): pause at a
-    step boundary while a checkpoint is written, stop and resume at the checkpoint's step after a rollback, and
-    wait out a lost server. The coordinator's `control` says which; every wait polls it."""
+    """A worker's side of the checkpoint strategies (docs/protocol.md, "Checkpoint strategies") and of strategy
+    ecrec's checkpoint fallback: pause at a step boundary while a checkpoint is written, stop and resume at the
+    checkpoint's step after a rollback, and wait out a lost server. The coordinator's `control` says which;
+    every wait polls it. Under the fallback a rollback comes while ECRec calls are being retried (more than r
+    servers lost: their rows cannot be decoded): the reporter's thread hears of it first and interrupts them."""
 
     POLL = 0.02
 
@@ -335,12 +343,20 @@ class Holds:
         self, ctx: JobContext, rank: int, link: CoordinatorLink, reporter: ProgressReporter, control
     ):
         self.ctx, self.rank, self.link, self.reporter = ctx, rank, link, reporter
-        self.rolls_back = ctx.spec.fault_tolerance.strategy in ROLLBACK_STRATEGIES
+        ft = ctx.spec.fault_tolerance
+        self.rolls_back = ft.strategy in ROLLBACK_STRATEGIES or ft.strategy == "ecrec"  # ecrec: the fallback
         control = control or {}
         # The rollback generation this process has caught up with (a replacement starts at the current one).
         self.acked = reporter.stopped = reporter.resumed = int(control.get("rollback", 0))
         self.paused_for: int | None = None  # the checkpoint it last paused for
         self.client: PSClient | None = None
+        reporter.on_control = self._heard
+
+    def _heard(self, ctl: dict) -> None:
+        """The reporter's thread: a new rollback interrupts the calls of the step under way (they may wait for
+        rows no server can give before the restore)."""
+        if self.rolls_back and int(ctl.get("rollback", 0)) > self.acked and self.client is not None:
+            self.client.interrupt.set()
 
     def check(self, in_flight, step: int) -> int | None:
         """Called at each step boundary, `step` steps done: None to go on, or the step to go on from after a
@@ -353,6 +369,8 @@ class Holds:
         pause, at = ctl.get("pause"), ctl.get("pauseAtStep")
         if pause is not None and pause != self.paused_for and (at is None or step >= at):
             _settle(in_flight)
+            if self.client is not None:  # ecrec (rowLocks): parity applies a commit once told: tell it now
+                self.client.flush_decisions()
             return self._pause(pause)
         return None
 
@@ -389,7 +407,7 @@ class Holds:
                     r = self.reporter
                     r.step, r.samples, r.done, r.resumed = step, samples, False, gen
                 if self.client is not None:
-                    self.client.refresh()  # the replacement's address
+                    self.client.rolled_back()  # nothing of before the rollback in flight; the replacements' addresses
                 self.reporter.post_now()
                 return step
             time.sleep(self.POLL)
@@ -399,7 +417,8 @@ class Holds:
         rollback), cpr waits until the shard's replacement has loaded its checkpoint."""
         log.warning("%s: waiting for the coordinator", err)
         assert self.client is not None
-        self.client.report_failure(err.shard)
+        if err.shard >= 0:  # (an Interrupted call blames no server)
+            self.client.report_failure(err.shard)
         end = time.monotonic() + self.ctx.spec.coordinator.progress_timeout_seconds
         while time.monotonic() < end:
             ctl = self.link.control()
@@ -495,7 +514,7 @@ def run_worker(
     trainer = Trainer(ctx, client, device)
     data = data_source(ctx)
     holds = None
-    if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
+    if spec.fault_tolerance.checkpoints() is not None:  # a checkpoint strategy, or ecrec's fallback
         control = link.control()  # now: an intervalSteps checkpoint may be due within the first report's wait
         reporter.control = control
         holds = Holds(ctx, rank, link, reporter, control)

@@ -1,6 +1,7 @@
 """The `kube` fixture: one real control plane (etcd + kube-apiserver + kube-controller-manager) per session, whose
 one node the test kubelet (`kubelet`) both schedules and runs. `kube_multinode` and `kubelet_multinode`: a
-second one, per module that asks, with kube-scheduler and MULTINODE_NODES nodes served by one test kubelet.
+second one, started by the first module that asks and shared for the session, with kube-scheduler and
+MULTINODE_NODES nodes served by one test kubelet.
 
 The build (minutes, once per machine; cached afterwards) runs after collection, outside every test's
 timeout, and only when a selected test is marked `k8s`. A failed build fails the tests, with the reason; only an
@@ -144,12 +145,12 @@ MULTINODE_NODE_MONITOR_PERIOD = 2.0
 MULTINODE_HEARTBEAT = 2.0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kube_multinode(tmp_path_factory: pytest.TempPathFactory):
     """A control plane of its own with kube-scheduler (and the node lifecycle controller: grace
-    MULTINODE_NODE_GRACE s, period 2 s), the ECRecJob CRD applied; stopped at the end of the module. Its
-    Service range, 127.0.7.0/24, differs from every other control plane's in the session (see
-    KubeTestEnv.start)."""
+    MULTINODE_NODE_GRACE s, period 2 s), the ECRecJob CRD applied; shared by the modules that use it (each
+    leaves its nodes schedulable), stopped at the end of the session. Its Service range, 127.0.7.0/24, differs
+    from every other control plane's in the session (see KubeTestEnv.start)."""
     _need_built()
     env = KubeTestEnv()
     state = tmp_path_factory.mktemp("kube-multinode")
@@ -169,7 +170,7 @@ def kube_multinode(tmp_path_factory: pytest.TempPathFactory):
         shutil.rmtree(state / "etcd", ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kubelet_multinode(kube_multinode: KubeTestEnv, tmp_path_factory: pytest.TempPathFactory):
     """The test kubelet serving MULTINODE_NODES nodes, ecrec-local-0..3 (zone-0, zone-1, zone-0, zone-1), of
     `kube_multinode`: it binds nothing (kube-scheduler does) and runs the pods bound to any of them; each

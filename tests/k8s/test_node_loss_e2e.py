@@ -7,7 +7,8 @@ there (their phase still says Running) and replaces them on other nodes, and the
 - servers spread over the nodes (`servers.failureDomain`): any node may go, the job goes on and succeeds with
   parity exact;
 - servers sharing a node (FailureDomainsAtRisk): losing it loses more than r shards at once, and the job fails
-  at once with a reason naming them.
+  at once with a reason naming them; with the checkpoint fallback (`faultTolerance.ecrec.fallback`, its
+  checkpoints on a PersistentVolumeClaim) it rolls back to the last checkpoint instead and succeeds.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from . import util
 from .conftest import MULTINODE_NODES
@@ -32,7 +34,9 @@ SMALL = {"requests": {"cpu": "100m", "memory": "128Mi"}}
 @pytest.fixture(scope="module")
 def ns(kube_multinode: KubeTestEnv, kubelet_multinode) -> str:
     kube_multinode.kubectl("create", "namespace", NS)
-    return NS
+    yield NS
+    # The cluster is the session's: leave every node it lost back and schedulable for the modules after this.
+    kube_multinode.wait_nodes_schedulable(kubelet_multinode.node_names, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -155,4 +159,48 @@ def test_servers_sharing_a_node_fail_the_job_naming_the_shards_when_it_is_lost(
     assert "servers lost at once, more than r=1 can rebuild: shards " in reason, reason
     named = reason.split("shards ")[1].split(";")[0]
     assert len([s for s in range(4) if f"{s} (failed)" in named]) >= 2, reason
+    kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
+
+
+CLAIM = "node-loss-checkpoints"
+
+
+def test_servers_sharing_a_node_survive_its_loss_by_rolling_back_to_the_fallback_checkpoint(
+    kube_multinode: KubeTestEnv, operator
+):
+    kube, name = kube_multinode, "shared-fallback"
+    shared, other = "ecrec-local-3", "ecrec-local-0"
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": CLAIM, "namespace": NS},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(claim))
+    start(
+        kube,
+        name,
+        steps=3000,
+        **{
+            "servers.template": {"spec": {"nodeSelector": {HOSTNAME: shared}}},
+            "coordinator.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
+            "workers.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
+            "faultTolerance.ecrec.fallback": {"intervalSteps": 200, "volumeClaim": CLAIM},
+        },
+    )
+    wait_for(
+        "a fallback checkpoint",
+        lambda: ((util.get_job(kube, NS, name).get("status") or {}).get("checkpointing") or {}).get(
+            "lastCheckpoint"
+        ),
+        120,
+    )
+    code, out = chaos_json(kube, name, "--node", shared, "--duration", "20", "--timeout", "400")
+    faults = out["faults"]
+    assert sorted((f["role"], f["index"]) for f in faults) == [("server", s) for s in range(4)], faults
+    assert code == 0 and {f["outcome"] for f in faults} == {"recovered"}, faults
+    status = util.wait_done(kube, NS, name, timeout=900)
+    assert status["checkpointing"]["rollbacks"] == 1, status["checkpointing"]
+    assert status["checkpointing"]["stepsRedone"] > 0, status["checkpointing"]
+    assert status["parityCheck"]["mismatches"] == 0
     kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -48,6 +49,10 @@ class AdmissionHost(Protocol):
         """Has the job finished or failed? Called with the lock held."""
         ...
 
+    def rolling_back(self) -> bool:
+        """Is the job rolling back to a checkpoint (strategy ecrec's fallback)? Called with the lock held."""
+        ...
+
 
 class Admission:
     def __init__(
@@ -68,6 +73,8 @@ class Admission:
             progress,
         )
         self.spare_assigned = threading.Condition(lock)  # wakes spares waiting in a heartbeat
+        # shard -> the instance that last said it holds its forwards (the fallback's rollback)
+        self.holding: dict[int, str] = {}
 
     # -- servers -------------------------------------------------------------------------------------------
     def register_server(self, req: RegisterServer) -> dict:
@@ -137,12 +144,31 @@ class Admission:
         with self.lock:
             if ok:
                 self.cpu.report("server", req.instance, req.cpuSeconds)
+                if req.forwardsHeld:
+                    self.holding[req.shard] = req.instance
+                else:
+                    self.holding.pop(req.shard, None)
             return {
                 "ok": ok,
                 "epoch": self.cluster.epoch,
                 "cluster": self.cluster.snapshot(),
                 "workersGone": self.progress.workers_gone(),
+                "rollingBack": self.host.rolling_back(),
             }
+
+    def wait_forwards_held(self, timeout: float) -> None:
+        """Until every shard's registered process says it holds its forwards (the fallback's restore; called
+        without the lock), or `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                waiting = [s.shard for s in self.cluster.shards if self.holding.get(s.shard) != s.instance]
+            if not waiting:
+                return
+            if time.monotonic() > end:
+                log.warning("servers %s did not say they hold their forwards; restoring anyway", waiting)
+                return
+            time.sleep(0.05)
 
     def _rejoin_server(self, req: Heartbeat) -> bool:
         """A server this coordinator's seed does not list (it registered after the seed was written): admit

@@ -22,6 +22,7 @@ import grpc
 
 from ecrec import auth
 from ecrec.core.checkpointing import Act, CheckpointCycle, Committed, cpr_interval
+from ecrec.core.cluster import ClusterMap, ShardState
 from ecrec.spec import Job
 
 log = logging.getLogger("ecrec.coordinator")
@@ -44,6 +45,10 @@ class CheckpointHost(Protocol):
         ...
 
     def event(self, kind: str, at: float, **detail) -> None: ...
+
+    def before_restore(self) -> None:
+        """Called (without the lock) right before the servers are asked to load a checkpoint."""
+        ...
 
     def restore_done(self, shards: tuple[int, ...], rows: dict[int, int], now: float) -> None:
         """`shards` loaded the checkpoint (`rows` rows each): the replacements among them are up."""
@@ -68,14 +73,17 @@ class CheckpointDriver:
         self.generation = generation
         spec = job.spec
         ft = spec.fault_tolerance
-        settings = getattr(ft, ft.strategy)
+        _where, settings = ft.checkpoints()
+        # strategy ecrec's fallback: full checkpoints, used only when parity cannot rebuild what is lost
+        fallback = ft.strategy == "ecrec"
+        strategy = "checkpoint" if fallback else ft.strategy
         steps = getattr(settings, "interval_steps", None)
         seconds = settings.interval_seconds
-        if ft.strategy == "cpr" and settings.target_pls and settings.mtbf_seconds:
+        if strategy == "cpr" and settings.target_pls and settings.mtbf_seconds:
             seconds = cpr_interval(settings.target_pls, spec.servers.replicas, settings.mtbf_seconds)
         t = spec.training
         self.cycle = CheckpointCycle(
-            ft.strategy,
+            strategy,
             spec.workers.replicas,
             spec.servers.replicas,
             interval_seconds=None if steps else seconds,
@@ -83,8 +91,9 @@ class CheckpointDriver:
             total_samples=t.steps * t.batch_size * spec.workers.replicas,
             incremental=getattr(settings, "incremental", True),
             hot_interval=settings.hot_row_fraction * seconds
-            if ft.strategy == "cpr" and settings.hot_rows != "none" and not steps
+            if strategy == "cpr" and settings.hot_rows != "none" and not steps
             else None,
+            fallback=fallback,
         )
         self.store = ManifestStore.for_job(job)
         self.num_rows = sum(spec.model_config_resolved().table_sizes)
@@ -132,7 +141,17 @@ class CheckpointDriver:
         cycle.pls = float(prior.get("portionOfLostSamples") or 0.0)
         now = self.host.clock()
         failed, registered = self.host.shards_down()
-        acts = cycle.taken_over(last, last_hot, self.generation, now, failed=failed, registered=registered)
+        # the fallback rolls back again only if its predecessor was (its workers may be stopped, waiting)
+        rolling_back = prior.get("phase") in ("stopping", "restoring")
+        acts = cycle.taken_over(
+            last,
+            last_hot,
+            self.generation,
+            now,
+            failed=failed,
+            registered=registered,
+            rolling_back=rolling_back,
+        )
         self.host.event(
             "checkpoints_taken_over",
             now,
@@ -140,6 +159,29 @@ class CheckpointDriver:
             rollback=cycle.rollback if cycle.rolls_back else None,
         )
         self.feed(acts)
+
+    @property
+    def restores(self) -> bool:
+        """Does the cycle bring a registered replacement back (a checkpoint strategy; the ecrec fallback only
+        while it rolls back), rather than an ECRec rebuild?"""
+        return not self.cycle.fallback or self.cycle.rolling_back
+
+    def beyond_parity(self, cluster: ClusterMap, r: int) -> None:
+        """The ecrec fallback, with the lock held: more than r shards lost at once, which parity cannot rebuild:
+        every rank rolls back to the last checkpoint (the rebuilds under way stop: RecoveryHost.rolling_back;
+        the replacements registered meanwhile load the checkpoint too)."""
+        lost = cluster.lost()
+        if self.cycle.rolling_back or len(lost) <= r:
+            return
+        registered = tuple(s for s in lost if cluster.shards[s].state is ShardState.RECOVERING)
+        log.warning(
+            "%d servers lost at once (shards %s), more than r=%d: rolling back to the last checkpoint",
+            len(lost),
+            lost,
+            r,
+        )
+        self.host.event("fallback_rollback", self.host.clock(), shards=list(lost))
+        self.feed(self.cycle.beyond_parity(tuple(lost), registered))
 
     def stats(self) -> dict:
         """For /v1/status (and so `ecrec local`'s report): what the strategy has cost and lost so far."""
@@ -286,6 +328,7 @@ class CheckpointDriver:
         from ecrec.proto import ecrec_pb2 as pb
 
         host = self.host
+        host.before_restore()
         answers = self._call_all(act.shards, "Restore", pb.RestoreRequest(checkpoint=act.checkpoint or 0))
         bad = {s: e for s, e in answers.items() if isinstance(e, grpc.RpcError)}
         with self.lock:
@@ -304,5 +347,5 @@ class CheckpointDriver:
             host.event("checkpoint_restored", now, checkpoint=act.checkpoint or 0, shards=list(act.shards))
             host.restore_done(act.shards, rows, now)
             self.feed(self.cycle.restored(act.shards, True, now))
-            if self.cycle.resume is not None and self.cycle.rolls_back:
+            if self.cycle.resume is not None and (self.cycle.rolls_back or self.cycle.fallback):
                 host.rolled_back(self.cycle.resume)

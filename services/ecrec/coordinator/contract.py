@@ -59,6 +59,8 @@ class Heartbeat(BaseModel):
     incarnation: int = 0
     metricsUrl: str = ""
     cpuSeconds: float | None = None
+    # It forwards no logged delta now, nor has one on its way (the fallback's rollback asked it to hold them).
+    forwardsHeld: bool = False
 
 
 class SpareIn(BaseModel):

@@ -36,9 +36,17 @@ class RecoveryHost(Protocol):
         """Has the job failed (nothing more to rebuild for)?"""
         ...
 
+    def rolling_back(self) -> bool:
+        """Is the checkpoint fallback rolling back (the lost shards come back by a restore, not a rebuild)?"""
+        ...
+
     def rebuilt(self, rec: RecoveryRecord, now: float) -> None:
         """The shard's replacement holds everything again. Called with the lock held."""
         ...
+
+
+class Cancelled(Exception):
+    """A rebuild stopped between two steps: the checkpoint fallback rolls back instead."""
 
 
 class RecoveryDriver:
@@ -58,6 +66,14 @@ class RecoveryDriver:
         # the checkpoint strategies restore replacements by themselves (ecrec.coordinator.checkpoints)
         self.checkpointed = spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES
         self._drivers: dict[int, threading.Thread] = {}
+
+    def join(self, timeout: float) -> bool:
+        """Wait until no rebuild runs (the fallback, before its restore: no Recover step may land after it).
+        False if one still ran after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        for t in list(self._drivers.values()):
+            t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._drivers.values())
 
     def start(self, shard: int) -> dict:
         """Rebuild `shard`'s registered replacement. Only a shard whose replacement is registered and not yet
@@ -91,6 +107,8 @@ class RecoveryDriver:
         """The shard's open record, with its rebuild driver running (started unless it runs already)."""
         rec = self.records.open(shard)
         driver = self._drivers.get(rec.shard)
+        if self.host.rolling_back():
+            return rec  # the restore brings it back (and completes the record)
         if driver is None or not driver.is_alive():
             rec.state, rec.error = "waiting", None
             driver = threading.Thread(
@@ -105,8 +123,12 @@ class RecoveryDriver:
         wait for the next one to register (a newer incarnation) and start over; stop only when done."""
         failed_incarnation = None
         while not self._stop.is_set():
+            if self.host.rolling_back():
+                return  # the fallback restores the shard instead
             target = self._await_replacement(rec, failed_incarnation)
             if target is None:
+                if self.host.rolling_back():
+                    return
                 with self.lock:
                     rec.state, rec.error = "failed", "no replacement registered"
                 return
@@ -114,6 +136,8 @@ class RecoveryDriver:
             try:
                 self._run_plan(rec, address, epoch)
                 break
+            except Cancelled:
+                return
             except grpc.RpcError as e:
                 with self.lock:
                     self.records.attempt_failed(rec, f"{e.code().name}: {e.details()}", self.host.clock())
@@ -130,7 +154,12 @@ class RecoveryDriver:
 
     def _await_replacement(self, rec: RecoveryRecord, not_incarnation: int | None):
         deadline = time.monotonic() + self.spec.coordinator.recovery_timeout_seconds
-        while time.monotonic() < deadline and not self._stop.is_set() and not self.host.failed():
+        while (
+            time.monotonic() < deadline
+            and not self._stop.is_set()
+            and not self.host.failed()
+            and not self.host.rolling_back()
+        ):
             with self.lock:
                 info = self.cluster.shards[rec.shard]
                 if info.state is ShardState.RECOVERING and info.incarnation != not_incarnation:
@@ -155,6 +184,8 @@ class RecoveryDriver:
 
             def walk(steps: list) -> None:
                 for step in steps:  # a retried plan repeats steps already done: they are no-ops (0 rows)
+                    if self.host.rolling_back():
+                        raise Cancelled(rec.shard)
                     req = pb.RecoverRequest(
                         epoch=epoch, kind=kinds[step.kind], start=step.start, count=step.count
                     )

@@ -46,7 +46,7 @@ from ecrec.coordinator.contract import (
 from ecrec.coordinator.probe import SingleFlight, probe_server
 from ecrec.coordinator.records import RecoveryLog
 from ecrec.coordinator.recovery import RecoveryDriver
-from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES, Phase
+from ecrec.core.checkpointing import Phase
 from ecrec.core.cluster import ClusterMap, ShardState, Transition
 from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import RecoveryRecord
@@ -100,8 +100,10 @@ class Coordinator:
             self, self.cluster, self.recoveries, self.lock, self._stop, spec, token, self.metrics
         )
         self.ckpt: CheckpointDriver | None = None
-        if spec.fault_tolerance.strategy in CHECKPOINT_STRATEGIES:
+        if spec.fault_tolerance.checkpoints() is not None:  # a checkpoint strategy, or ecrec's fallback
             self.ckpt = CheckpointDriver(self, job, generation, token, self.lock)
+        # strategy ecrec with a checkpoint fallback: ECRec rebuilds up to r lost shards, the checkpoint more
+        self.fallback = self.ckpt is not None and self.ckpt.cycle.fallback
         if seed is not None:
             self._restore(seed)
             if self.ckpt is not None:
@@ -147,7 +149,7 @@ class Coordinator:
                 if self.ckpt is not None:
                     self.ckpt.feed(self.ckpt.cycle.failure(tr.shard))
                 self.admission.assign_spares(tr.at)
-            elif tr.kind == "replacement_registered" and self.ckpt is not None:
+            elif tr.kind == "replacement_registered" and self.ckpt is not None and self.ckpt.restores:
                 self.ckpt.feed(self.ckpt.cycle.registered(tr.shard))
             elif tr.kind == "replacement_registered" and self.cluster.recoverable:
                 # Its rebuild starts now: waiting for the launcher to ask (its next look at the status,
@@ -157,6 +159,8 @@ class Coordinator:
             elif tr.kind == "rejoined" and self.cluster.shards[tr.shard].state is ShardState.RECOVERING:
                 # a replacement the seed did not know: its failure has a record here from now on
                 self.recoveries.detected(tr.shard, tr.at)
+        if self.fallback and self.failed_reason is None and self.progress.started_at is not None:
+            self.ckpt.beyond_parity(self.cluster, self.spec.fault_tolerance.ecrec.r)
         m.of(m.epoch).set(self.cluster.epoch)
         for state in ShardState:
             m.of(m.servers, state=state.value).set(sum(s.state is state for s in self.cluster.shards))
@@ -178,7 +182,7 @@ class Coordinator:
 
     def rebuilt_unseen(self, shard: int, rows: int, now: float) -> None:
         """AdmissionHost: a rejoining replacement was rebuilt by a coordinator before this one."""
-        if self.ckpt is None and self.cluster.recoverable:
+        if (self.ckpt is None or self.fallback) and self.cluster.recoverable:
             # Rebuilt, by a coordinator that died before the launcher saved a seed saying so (the rebuild
             # starts at registration and can finish within one look at the status): the record it left open
             # is completed now, when this coordinator learns of it.
@@ -366,8 +370,21 @@ class Coordinator:
     def failed(self) -> bool:
         return self.failed_reason is not None
 
+    def rolling_back(self) -> bool:
+        return self.fallback and self.ckpt.cycle.rolling_back
+
+    def before_restore(self) -> None:
+        """CheckpointHost: the fallback's restore waits for the rebuilds it stopped and for every server to hold
+        its forwards (heartbeats: a delta from before the rollback must not land on a server that loaded)."""
+        if self.fallback:
+            if not self.recovery.join(timeout=60.0):
+                log.warning("a rebuild still runs; restoring the checkpoint anyway")
+            self.admission.wait_forwards_held(timeout=60.0)
+
     def rebuilt(self, rec: RecoveryRecord, now: float) -> None:
         self.apply(self.cluster.recovered(rec.shard, now))
+        if self.fallback:
+            self.ckpt.feed(self.ckpt.cycle.rebuilt(rec.shard))
         self.recoveries.completed(rec, now, fault="coordinator:recovery_completed")
 
     # -- outside reports -------------------------------------------------------------------------------

@@ -79,6 +79,16 @@ class ActingHome:
     def __contains__(self, txn: str) -> bool:
         return txn in self.staged
 
+    def reset(self) -> None:
+        """Stand in for nobody (a checkpoint was loaded: every shard's rows are its own again): no write
+        staged, no row locked, nothing materialized. A decode that started before keeps nothing
+        (`materialize` finds its cache replaced)."""
+        for locks in self.locks.values():
+            locks.clear()  # in place: a write waiting for rows sees them free
+        self.locks.clear()
+        self.staged.clear()
+        self.cache.clear()
+
     def __len__(self) -> int:
         return len(self.staged)
 

@@ -15,6 +15,15 @@ servers write their shards, the manifest is written last, workers resume. On a s
 Workers of a rollback strategy stay up after their last step until the job is finished: a failure before
 then rolls them back too. When every worker is done a final checkpoint is written, so that a failure after
 training restores the final state with nothing to redo.
+
+`fallback`: the cycle of strategy ecrec's checkpoint fallback (`faultTolerance.ecrec.fallback`). ECRec
+rebuilds up to r lost shards by itself, so a failure neither rolls back nor restores: it only holds the
+checkpoints off (none is taken, and one under way is abandoned, while a shard is lost or being rebuilt) until
+the coordinator says the shard is rebuilt (`rebuilt`). Only when more than r are lost at once
+(`beyond_parity`) does it roll back as the checkpoint strategy does: workers stop, the lost shards'
+replacements register, every server loads the last checkpoint, every rank resumes at its step. No final
+checkpoint: at the end of training ECRec still rebuilds a lost shard, and workers are released once all are
+done.
 """
 
 from __future__ import annotations
@@ -87,6 +96,7 @@ class CheckpointCycle:
     interval_steps: int | None = None
     incremental: bool = True  # checknrun: increments between baselines
     hot_interval: float | None = None  # cpr with hotRows: seconds between hot-row saves (r x the interval)
+    fallback: bool = False  # strategy ecrec's checkpoint fallback (module docstring)
     phase: Phase = Phase.TRAINING
     next_id: int = 1
     pending: int | None = None  # the checkpoint being paused for or written
@@ -102,6 +112,7 @@ class CheckpointCycle:
     sizes: list[float] = field(default_factory=list)
     last: Committed | None = None
     rollback: int = 0  # generation: +1 per failure a rollback strategy answers
+    floor: int = 0  # a successor coordinator's rollbacks start above this (taken_over)
     resume: Progress | None = None  # where each rank resumes after the last rollback
     failed: set[int] = field(default_factory=set)  # shards lost and not yet restored
     restoring: set[int] = field(default_factory=set)  # cpr: shards loading their checkpoint
@@ -122,12 +133,19 @@ class CheckpointCycle:
     def __post_init__(self) -> None:
         if self.strategy not in CHECKPOINT_STRATEGIES:
             raise ValueError(f"not a checkpoint strategy: {self.strategy}")
+        if self.fallback and self.strategy != "checkpoint":
+            raise ValueError("the ecrec fallback writes full checkpoints (strategy checkpoint)")
         if (self.interval_seconds is None) == (self.interval_steps is None):
             raise ValueError("exactly one of interval_seconds and interval_steps")
 
     @property
     def rolls_back(self) -> bool:
-        return self.strategy in ROLLBACK_STRATEGIES
+        """A lost shard rolls every rank back (the fallback only when told: `beyond_parity`)."""
+        return self.strategy in ROLLBACK_STRATEGIES and not self.fallback
+
+    @property
+    def rolling_back(self) -> bool:
+        return self.phase in (Phase.STOPPING, Phase.RESTORING)
 
     @property
     def decoupled(self) -> bool:
@@ -162,7 +180,7 @@ class CheckpointCycle:
         armed = self.phase is Phase.PAUSING and self.pause_at is not None and not self.pending_final
         idle = self.persisting is None and self.hot_pending is None  # checkpoints never overlap
         if (self.phase is Phase.TRAINING or armed) and self.last_end is not None and not self.failed and idle:
-            final_due = self.all_done() and not (self.last and self.last.final)
+            final_due = self.all_done() and not (self.last and self.last.final) and not self.fallback
             if not self.restoring and (final_due or (not armed and self._due(now))):
                 self._begin_pause(final=self.all_done())
             elif self.phase is Phase.TRAINING and self._hot_due(now) and not self.all_done():
@@ -193,12 +211,42 @@ class CheckpointCycle:
         self.restoring.discard(shard)
         self.pending, self.pending_final = None, False  # a checkpoint missing a shard is never committed
         self.persisting = self.hot_pending = None
-        if self.rolls_back:
-            self.rollback += 1
-            self.rollbacks += 1
-            self.phase = Phase.STOPPING
+        if self.rolls_back or (
+            self.fallback and self.phase is Phase.RESTORING
+        ):  # (a restore missing a shard)
+            self._roll_back()
+        elif self.fallback and self.phase is Phase.STOPPING:
+            pass  # one more shard for the rollback under way to wait for
         elif self.phase in (Phase.PAUSING, Phase.WRITING):
             self.phase = Phase.TRAINING
+        return self._advance()
+
+    def _roll_back(self) -> None:
+        self.rollback = (
+            max(self.rollback, self.floor) + 1
+        )  # above every generation an earlier coordinator used
+        self.rollbacks += 1
+        self.phase = Phase.STOPPING
+
+    def beyond_parity(self, lost: tuple[int, ...], registered: tuple[int, ...] = ()) -> list[Act]:
+        """fallback: more than r shards are lost at once (`lost`; of them, `registered` have a replacement
+        registered already): roll every rank back to the last checkpoint. Again while rolling back: nothing
+        (the rollback under way restores every shard)."""
+        if not self.fallback:
+            raise ValueError("beyond_parity is the ecrec fallback's")
+        self.failed = (self.failed | set(lost)) - set(registered)
+        self.pending, self.pending_final, self.pause_at = None, False, None
+        if not self.rolling_back:
+            self._roll_back()
+        return self._advance()
+
+    def rebuilt(self, shard: int) -> list[Act]:
+        """fallback: ECRec rebuilt `shard` (it held the checkpoints off since its failure)."""
+        if self.rolling_back or shard not in self.failed:
+            return []  # a rollback's shards come back by the restore
+        self.failed.discard(shard)
+        if self.phase is Phase.TRAINING and not self.failed:
+            self._arm()
         return self._advance()
 
     def taken_over(
@@ -209,6 +257,7 @@ class CheckpointCycle:
         now: float,
         failed: tuple[int, ...] = (),
         registered: tuple[int, ...] = (),
+        rolling_back: bool = False,
     ) -> list[Act]:
         """This cycle belongs to a successor coordinator (failover, `generation` > 1), which starts from the
         store's newest committed checkpoint (`last`, and cpr's newest hot-row save over it). What the dead one
@@ -219,8 +268,10 @@ class CheckpointCycle:
         checkpoint was under way cannot be known, and the rollback is the strategy's one way back to a
         consistent cut. cpr trains on. The first checkpoint after it is a full one (checknrun's record of
         the rows changed since its baseline may be of an abandoned checkpoint). `failed`: shards lost when it
-        took over, of which `registered` have a replacement (their failures were counted before)."""
-        floor = (generation - 1) << 20
+        took over, of which `registered` have a replacement (their failures were counted before). The ecrec
+        fallback rolls back only if its predecessor was (`rolling_back`: workers may be stopped, waiting for a
+        restore); otherwise ECRec goes on rebuilding what is lost."""
+        floor = self.floor = (generation - 1) << 20
         self.next_id = max(self.next_id, floor + 1)
         self.last, self.last_hot, self.last_end = last, last_hot, now
         self.last_baseline, self.sizes = None, []
@@ -228,7 +279,7 @@ class CheckpointCycle:
         self.pending_final, self.pause_at = False, None
         self.failed, self.restoring = set(failed), set()
         acts: list[Act] = []
-        if self.rolls_back:
+        if self.rolls_back or (self.fallback and rolling_back):
             self.rollback = max(self.rollback, floor) + 1
             self.rollbacks += 1
             self.phase = Phase.STOPPING
@@ -240,10 +291,11 @@ class CheckpointCycle:
         return acts + self._advance()
 
     def registered(self, shard: int) -> list[Act]:
-        """A replacement for `shard` registered: it can load its checkpoint."""
-        if shard not in self.failed:
+        """A replacement for `shard` registered: it can load its checkpoint (fallback: ECRec rebuilds it unless
+        a rollback is under way)."""
+        if shard not in self.failed or (self.fallback and not self.rolling_back):
             return []
-        if self.rolls_back:
+        if self.rolls_back or self.fallback:
             self.failed.discard(shard)
             return self._advance()
         self.failed.discard(shard)
@@ -363,7 +415,10 @@ class CheckpointCycle:
 
     @property
     def finished(self) -> bool:
-        """Training is over and its final state is checkpointed: workers may exit."""
+        """Training is over and its final state is checkpointed: workers may exit (fallback: every worker
+        done, and no rollback under way)."""
+        if self.fallback:
+            return self.all_done() and self.phase is Phase.TRAINING
         return bool(self.last and self.last.final) and self.phase is Phase.TRAINING and not self.failed
 
     def shard_ready(self, shard: int) -> bool:

@@ -46,6 +46,10 @@ class DeltaLog:
     def add(self, txn: str, rows: int, batches: list[DeltaBatch], now: float) -> None:
         self._parts[txn] = LoggedPart(rows, list(batches), now)
 
+    def clear(self) -> None:
+        """Forget every part (a checkpoint was loaded: the updates they logged were undone)."""
+        self._parts.clear()
+
     def get(self, txn: str) -> LoggedPart | None:
         return self._parts.get(txn)
 

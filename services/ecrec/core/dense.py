@@ -109,3 +109,13 @@ class DenseReplicas:
         self.records[chunk] = records
         self.log[chunk] = OrderedDict.fromkeys(steps)
         self.ready[chunk] = True
+
+    def load(self, records: dict[int, torch.Tensor]) -> None:
+        """Every chunk takes the records given (a checkpoint's, or the initial state), holding no step:
+        steps replayed after a rollback must apply. Nothing is staged or being copied out any more.
+        `min_epoch` stays: it is about map epochs, which a load leaves alone (a stage planned under a map
+        older than a chunk's newest replica is still refused)."""
+        for c in self.records:
+            self.install(c, records[c])
+        self.staged.clear()
+        self.copying.clear()

@@ -2,6 +2,9 @@
 strategies"). Pure: tensors in, tensors out; the shard store calls it under its lock.
 
 - **checkpoint**: a full copy (rows, versions, dense chunks) while the workers are paused: a consistent cut.
+- **ecrec** (its checkpoint fallback): full copies that also hold the shard's parity records and the member
+  versions they reflect (`parity`, `pver`): with the workers paused, data and parity of every shard form one
+  consistent cut, which every server loads back when more than r servers are lost at once.
 - **checknrun**: a full copy is a *baseline*; from it on the rows updated are marked, and an *increment* over
   baseline b holds only the rows marked since b. A baseline copied here may never be committed (the writer
   died), so the masks of the last few baselines are kept until an increment names a newer base.
@@ -61,17 +64,24 @@ class ShardSnapshots:
         dense: Tensors,
         checkpoint: int = 0,
         base: int | None = None,
+        parity: Tensors | None = None,
     ) -> Tensors:
-        """A copy of the shard's state: row records and versions, dense chunks (`dense.<chunk>`). With `base`
-        (checknrun's increments): only the rows updated since baseline `base` was copied, and their local
-        `index`; a baseline `checkpoint` starts tracking the rows updated after it."""
+        """A copy of the shard's state: row records and versions, dense chunks (`dense.<chunk>`), and for
+        ecrec `parity` (its tensors by name: `parity` [P, W] and `pver` [P, k]). With `base` (checknrun's
+        increments): only the rows updated since baseline `base` was copied, and their local `index`; a
+        baseline `checkpoint` starts tracking the rows updated after it. An increment holds no parity."""
         if base is None:
             out = {"rows": rows.clone(), "versions": versions.clone()}
+            out |= {key: t.clone() for key, t in (parity or {}).items()}
             if checkpoint:
                 self.modified_since[checkpoint] = torch.zeros(self.num_rows, dtype=torch.bool)
                 for old in sorted(self.modified_since)[:-MAX_BASELINE_MASKS]:
                     del self.modified_since[old]  # bounded: a base that old would be a lost cause
         else:
+            if parity:
+                raise InvalidRequest(
+                    "base: a copy with parity records is a full one (ecrec takes no increments)"
+                )
             if base not in self.modified_since:
                 raise InvalidRequest(f"base: baseline checkpoint {base} was not copied on this server")
             for old in [c for c in self.modified_since if c < base]:
@@ -90,8 +100,9 @@ class ShardSnapshots:
     # -- loading ------------------------------------------------------------------------------------------
     def merge(self, tensors: Tensors, increments: tuple[Tensors, ...], expect: dict[str, tuple]) -> Tensors:
         """A checkpoint with `increments` applied in order (their rows, and dense chunks), checked against the
-        shapes in `expect`; raises InvalidRequest (and changes nothing) for another shape. The rows the
-        increments hold are `modified` in the answer: what differs from the checkpoint they apply to."""
+        shapes in `expect` (every tensor the shard loads: ecrec's parity and pver too); raises InvalidRequest
+        (and changes nothing) for another shape. The rows the increments hold are `modified` in the answer:
+        what differs from the checkpoint they apply to."""
         t = dict(tensors)
         modified = torch.zeros(self.num_rows, dtype=torch.bool)
         if increments:

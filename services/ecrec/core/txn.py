@@ -97,6 +97,13 @@ class RowLocks:
     def holders(self) -> list[str]:
         return list(self._ids)
 
+    def clear(self) -> None:
+        """Free every row (a checkpoint was loaded: nothing that held them is in flight any more). In place, so
+        a waiter holding this object sees the rows free; a holder's late unlock then finds nothing."""
+        self.owner.fill_(self.FREE)
+        self._ids.clear()
+        self._rows.clear()
+
 
 @dataclass
 class StagedPart:
@@ -194,6 +201,14 @@ class DataParticipant:
         """Parts whose worker never committed (it died): staged for longer than `timeout`, or staged by a
         worker process known to be `gone`. The adapter aborts them."""
         return [t for t, p in self.staged.items() if now - p.staged_at > timeout or gone(t)]
+
+    def load(self, records: torch.Tensor, versions: torch.Tensor) -> None:
+        """Every row takes the record and version given (a checkpoint's, or the initial state), in place;
+        every part in flight is forgotten: nothing staged, no row locked."""
+        self.records.copy_(records)
+        self.versions.copy_(versions)
+        self.staged.clear()
+        self.locks.clear()
 
 
 @dataclass
@@ -451,6 +466,27 @@ class ParityParticipant:
                 self._apply_in_order(_rows(b, now_ready))
             if not bool(now_ready.all()):
                 self.pending.append(_rows(b, ~now_ready))
+
+    def load(self, parity: torch.Tensor, pver: torch.Tensor) -> None:
+        """Every parity record and the member versions it reflects take the values given (a checkpoint's,
+        or the initial state's), in place, and nothing is in flight any more (`reset`)."""
+        self.parity.copy_(parity)
+        self.pver.copy_(pver)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every delta in flight, as a freshly started server that rebuilt everything: nothing staged,
+        pending or held, every record ready. Decisions remembered are forgotten too: after a rollback the
+        workers replay their steps under the same txn ids, and those must apply (not be skipped as late
+        duplicates of decisions about updates the load undid)."""
+        self.staged.clear()
+        self.staged_at.clear()
+        self.resolved.clear()
+        self.pending = []
+        self.held = []
+        self._held_keys.zero_()
+        self.ready.fill_(True)
+        self._all_ready = True
 
     def _resolve(self, key: tuple[str, int], outcome: str) -> None:
         self.resolved[key] = outcome

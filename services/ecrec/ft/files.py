@@ -1,13 +1,15 @@
 """Checkpoint files on stable storage: one safetensors file per shard, written by its server, and a manifest
 the coordinator writes last.
 
-    <root>/ckpt-00000007/shard-0002.safetensors    tensors of shard 2 (rows, versions, dense chunks)
+    <root>/ckpt-00000007/shard-0002.safetensors    tensors of shard 2 (rows, versions, dense chunks; under
+                                                   ecrec also its parity records and their pver)
     <root>/ckpt-00000007/manifest.json             spec hash, each rank's step and samples, files + sha256
 
 A file is written under a temporary name, fsynced and renamed, so a crash never leaves half a file under
 the real name; a checkpoint counts only once its manifest exists (it is written last, the same way), so a
 crash mid-checkpoint leaves the previous one the latest. Reading checks the manifest's spec hash and each
-file's checksum and refuses a mismatch with the reason.
+file's checksum (of the whole file: every tensor in it) and refuses a mismatch with the reason; the shapes
+are checked by the store that loads them (ecrec.store.checkpoints).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 
 def write_shard(root: str | Path, checkpoint: int, shard: int, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write one shard's tensors atomically; returns its manifest entry (file, sha256, bytes)."""
+    """Write one shard's tensors atomically, whatever their names (ecrec's `parity` and `pver` too); returns
+    its manifest entry (file, sha256, bytes)."""
     d = checkpoint_dir(root, checkpoint)
     d.mkdir(parents=True, exist_ok=True)
     name = f"shard-{shard:04d}.safetensors"
@@ -91,9 +94,11 @@ class ManifestStore:
 
     @classmethod
     def for_job(cls, job) -> ManifestStore:
-        ft = job.spec.fault_tolerance
-        settings = getattr(ft, ft.strategy)
-        return cls(settings.path, job_hash(job.spec.to_dict()), keep=getattr(settings, "keep", 2))
+        found = job.spec.fault_tolerance.checkpoints()
+        if found is None:
+            raise ValueError(f"job {job.name} writes no checkpoints")
+        settings = found[1]
+        return cls(settings.path, job_hash(job.spec.to_dict()), keep=settings.keep)
 
     def commit(
         self,

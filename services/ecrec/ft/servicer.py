@@ -38,13 +38,13 @@ class CheckpointHandlers:
         self._writes_lock = threading.Lock()
 
     def _checkpoints(self):
-        from ecrec.core.checkpointing import CHECKPOINT_STRATEGIES
         from ecrec.ft.files import ManifestStore
 
         ctx = self.store.ctx
-        if ctx.spec.fault_tolerance.strategy not in CHECKPOINT_STRATEGIES:
+        if ctx.spec.fault_tolerance.checkpoints() is None:
             raise CheckpointRefused(
                 f"faultTolerance.strategy {ctx.spec.fault_tolerance.strategy} takes no checkpoints"
+                + (" (no faultTolerance.ecrec.fallback)" if ctx.ecrec else "")
             )
         return ManifestStore.for_job(ctx.job)
 

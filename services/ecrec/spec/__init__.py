@@ -42,7 +42,7 @@ from ecrec.spec.crd import (
 )
 from ecrec.spec.errors import SpecError
 from ecrec.spec.job import KUBERNETES_ONLY_FIELDS, Job, JobSpec
-from ecrec.spec.load import apply_overrides, job_from_dict, job_from_spec, load_job
+from ecrec.spec.load import apply_overrides, job_from_dict, job_from_spec, load_job, section_at
 from ecrec.spec.pods import ROLE_POD_FIELDS
 from ecrec.spec.presets import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -78,6 +78,7 @@ __all__ = [
     "job_from_dict",
     "job_from_spec",
     "load_job",
+    "section_at",
     "parse_quantity",
     "spec_openapi_schema",
     "status_openapi_schema",

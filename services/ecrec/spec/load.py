@@ -49,6 +49,14 @@ def job_from_spec(name: str, spec: Mapping[str, Any]) -> Job:
     return job_from_dict({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec})
 
 
+def section_at(spec_doc: dict[str, Any], path: str) -> dict[str, Any]:
+    """The mapping at dotted `path` of a spec document (camelCase), created where missing."""
+    node = spec_doc
+    for part in path.split("."):
+        node = node.setdefault(part, {})
+    return node
+
+
 def apply_overrides(spec_doc: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A copy of `spec_doc` with each `dotted.path=value` set; values are parsed as YAML ("10" -> 10)."""
     out = copy.deepcopy(dict(spec_doc))

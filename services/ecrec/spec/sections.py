@@ -195,6 +195,37 @@ class CoordinatorSpec(_Section):
     template: Template
 
 
+class _Checkpoints(_Section):
+    """When and where a checkpoint strategy writes its checkpoints."""
+
+    interval_seconds: float = Field(
+        default=30.0, gt=0, description="Seconds from the end of one checkpoint to the start of the next"
+    )
+    interval_steps: PosInt | None = Field(
+        default=None,
+        description="Steps (of the slowest worker) between checkpoints; when set, replaces intervalSeconds",
+    )
+    path: str = Field(
+        default="checkpoints",
+        min_length=1,
+        description="Checkpoint directory, shared by the coordinator and the servers; relative: under ecrec "
+        "local's --out, or on Kubernetes under the job's directory in volumeClaim (absolute is refused there)",
+    )
+    keep: PosInt = Field(default=2, description="Complete checkpoints kept; older ones are deleted")
+    volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        description=_K8S + "PersistentVolumeClaim for the checkpoints, mounted into the coordinator and "
+        "server pods (ReadWriteMany when they may run on different nodes); each job writes under a directory "
+        "of its own name. Required on Kubernetes",
+    )
+
+
+class CheckpointSpec(_Checkpoints):
+    """Periodic full checkpoints: training pauses while every server writes its shard; after a server
+    failure every server reloads the last one and the workers redo the steps since."""
+
+
 class EcrecSpec(_Section):
     """Erasure-coded parameter servers (the paper's method)."""
 
@@ -241,37 +272,15 @@ class EcrecSpec(_Section):
         description="A staged update whose worker never commits (e.g. the worker died) is aborted after this "
         "long",
     )
-
-
-class _Checkpoints(_Section):
-    """When and where a checkpoint strategy writes its checkpoints."""
-
-    interval_seconds: float = Field(
-        default=30.0, gt=0, description="Seconds from the end of one checkpoint to the start of the next"
-    )
-    interval_steps: PosInt | None = Field(
+    fallback: CheckpointSpec | None = Field(
         default=None,
-        description="Steps (of the slowest worker) between checkpoints; when set, replaces intervalSeconds",
+        description="A checkpoint to fall back on when more than r servers are lost at once, which parity "
+        "cannot rebuild (a node or zone holding several of the job's servers): full checkpoints as strategy "
+        "checkpoint writes them (intervalSeconds or intervalSteps, path, keep, volumeClaim), best at a low "
+        "frequency; the job then rolls every rank back to the last one and goes on instead of failing. Up to r "
+        "lost servers are still rebuilt by ECRec, with nothing rolled back. Unset: such a loss fails the job, "
+        "naming the shards",
     )
-    path: str = Field(
-        default="checkpoints",
-        min_length=1,
-        description="Checkpoint directory, shared by the coordinator and the servers; relative: under ecrec "
-        "local's --out, or on Kubernetes under the job's directory in volumeClaim (absolute is refused there)",
-    )
-    keep: PosInt = Field(default=2, description="Complete checkpoints kept; older ones are deleted")
-    volume_claim: str | None = Field(
-        default=None,
-        min_length=1,
-        description=_K8S + "PersistentVolumeClaim for the checkpoints, mounted into the coordinator and "
-        "server pods (ReadWriteMany when they may run on different nodes); each job writes under a directory "
-        "of its own name. Required on Kubernetes",
-    )
-
-
-class CheckpointSpec(_Checkpoints):
-    """Periodic full checkpoints: training pauses while every server writes its shard; after a server
-    failure every server reloads the last one and the workers redo the steps since."""
 
 
 class ChecknrunSpec(_Checkpoints):
@@ -340,6 +349,15 @@ class FaultToleranceSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Settings for checkpoint")
     checknrun: ChecknrunSpec = Field(default_factory=ChecknrunSpec, description="Settings for checknrun")
     cpr: CprSpec = Field(default_factory=CprSpec, description="Settings for cpr")
+
+    def checkpoints(self) -> tuple[str, _Checkpoints] | None:
+        """Where the job's checkpoints are configured, as (spec path, settings): a checkpoint strategy's section,
+        or strategy ecrec's fallback; None: the job writes no checkpoints."""
+        if self.strategy in ("checkpoint", "checknrun", "cpr"):
+            return f"faultTolerance.{self.strategy}", getattr(self, self.strategy)
+        if self.strategy == "ecrec" and self.ecrec.fallback is not None:
+            return "faultTolerance.ecrec.fallback", self.ecrec.fallback
+        return None
 
 
 class RunPolicy(_Section):

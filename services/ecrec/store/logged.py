@@ -95,10 +95,32 @@ class LoggedUpdates(StoreState):
             raise Busy(f"degraded write {txn} was not committed")
         return n
 
+    def hold_forwards(self, hold: bool) -> None:
+        """The coordinator's word (heartbeats): while the job rolls back to a checkpoint, forward nothing: a
+        delta from before the rollback must not reach a parity server that has loaded the checkpoint."""
+        with self.lock:
+            self._forwards_held = hold
+
+    def forwards_held(self) -> bool:
+        """Held, and no forward pass that began before is still on its way (said back to the coordinator)."""
+        with self.lock:
+            return self._forwards_held and self._forwarding == 0
+
     def forward_due(self) -> int:
         """Forward the deltas of logged parts whose worker is gone (or silent past txnTimeout) to their
         parity servers; returns how many parts were forwarded. A parity server that failed needs nothing:
         its records are re-encoded from the data rows when it is rebuilt."""
+        with self.lock:
+            if self._forwards_held:
+                return 0
+            self._forwarding += 1
+        try:
+            return self._forward_due()
+        finally:
+            with self.lock:
+                self._forwarding -= 1
+
+    def _forward_due(self) -> int:
         with self.lock:
             gone = self.fence.fenced
             txns = self.deltalog.due(self.clock(), self.txn_timeout, gone)

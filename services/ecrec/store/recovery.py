@@ -9,7 +9,8 @@ under the lock and installed after: a lock group's rows are locked in `rows.lock
 holder, parity indices marked in `parity_rebuilding`, dense chunks in `dense_copying_in` (a second Recover
 step waits for the first, then finds the work done); each is released and `cond` notified in a `finally`.
 `read_rows` waits under the lock for staged rows (a re-encode) or a shard's undecided deltas (a rebuild);
-`serve_dense_copy` waits for the chunk's dense stages in flight. `_undecided_from` needs `lock` held.
+`serve_dense_copy` waits for the chunk's dense stages in flight. `_undecided_from` needs `lock` held. A
+checkpoint loaded while a rebuild or copy decodes (`loads` changed) wins: the rebuild installs nothing.
 """
 
 from __future__ import annotations
@@ -197,10 +198,13 @@ class Recovery(StoreState):
             if todo.numel() == 0:
                 return 0
             self.rows.locks.lock(group, todo)
+            loads = self.loads
         try:
             recs, vers = self.decode_rows(self.shard, todo)
             fault_point("recover:mid_group")
             with self.lock:
+                if self.loads != loads:  # a checkpoint was loaded meanwhile: its rows stand
+                    return 0
                 self.rows.records[todo] = recs
                 self.rows.versions[todo] = vers
                 self.row_ready[todo] = True
@@ -220,12 +224,15 @@ class Recovery(StoreState):
             if index.numel() == 0:
                 return 0
             self.parity_rebuilding[index] = True
+            loads = self.loads
         try:
             plan = StripeEncode(
                 self.placement, self.shard, index
             )  # its reads wait for staged rows: read_rows
             records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
             with self.lock:
+                if self.loads != loads:  # a checkpoint was loaded meanwhile: its parity stands
+                    return 0
                 self.parity.install(index, records, vers)
         finally:
             with self.lock:
@@ -242,10 +249,13 @@ class Recovery(StoreState):
                 if self.dense.ready[c]:
                     continue
                 self.dense_copying_in.add(c)
+                loads = self.loads
             try:
                 other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
                 recs, txns = self.peers.dense_copy(other, c, self.epoch)
                 with self.lock:
+                    if self.loads != loads:  # a checkpoint was loaded meanwhile: its chunks stand
+                        return n
                     self.dense.install(c, recs, txns)
             finally:
                 with self.lock:

@@ -5,13 +5,15 @@ of `ShardStore` (ecrec.store).
 (core/txn.py `DataParticipant`), the parity records it keeps for other servers' stripes
 (`ParityParticipant`), its dense chunks (core/dense.py `DenseReplicas`), the acting home of failed shards'
 rows (core/acting.py `ActingHome`), the checkpoint trackers (core/snapshots.py) — from the seed, or empty for
-a replacement. The parts (records, participant, deltas, recovery, checkpoints) are mixins over this one state:
+a replacement; a checkpoint's load (ecrec.store.checkpoints) replaces them and resets the protocol state in
+flight. The parts (records, participant, deltas, recovery, checkpoints) are mixins over this one state:
 the protocol's steps cross roles under one lock (a stage touches rows, dense chunks, the acting home and the
 outcomes at once), so the state is not split, only the steps.
 
 Lock discipline (every part follows it):
 - `lock`, one mutex, guards all mutable state: `rows`, `row_ready`, `parity`, `parity_rebuilding`,
-  `acting`, `dense`, `dense_copying_in`, `outcomes`, `stats`, `fence`, `waiting`, `snapshots`, `replacement`.
+  `acting`, `dense`, `dense_copying_in`, `outcomes`, `stats`, `fence`, `waiting`, `snapshots`, `replacement`,
+  `loads`, and deltaLog's `deltalog`, `held_from`, `refused`, `accepted`.
   It is not reentrant: public methods take it themselves and must not be called with it held.
 - `cond` is a condition on `lock`. Whoever changes state a waiter may be waiting for (rows unlocked, a part
   decided, parity or a chunk installed) calls `cond.notify_all()` before releasing the lock.
@@ -155,6 +157,9 @@ class StoreState:
         # on top of the first would silently drop them.
         self.parity_rebuilding = torch.zeros(n_par, dtype=torch.bool)
         self.dense_copying_in: set[int] = set()
+        # Checkpoints loaded (ecrec.store.checkpoints): a rebuild or copy that began before a load installs
+        # nothing after it.
+        self.loads = 0
         self.outcomes: OrderedDict[str, str] = OrderedDict()
         # commit: deltaLog (ecrec.store.logged): parts applied here whose deltas the worker has not said it
         # delivered; per data server, the incarnation whose held deltas this parity server keeps; rows of
@@ -167,6 +172,9 @@ class StoreState:
         self.held_from: dict[int, int] = {}
         self.refused: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self.accepted: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        # The checkpoint fallback's rollback: forwards held (hold_forwards), forward passes on their way.
+        self._forwards_held = False
+        self._forwarding = 0
         self.stats = {
             "degraded_rows": 0,
             "buffered": 0,
