@@ -96,3 +96,15 @@ def start_background_job(out: Path, *sets: str, capture: bool = False) -> subpro
 @pytest.fixture
 def tiny_ctx() -> JobContext:
     return make_ctx()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny tensors (`pytest.mark.usefixtures("one_torch_thread")`): torch's intra-op thread
+    pool costs ~10x more than it saves on them."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

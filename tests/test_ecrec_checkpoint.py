@@ -61,13 +61,7 @@ def ctx(request) -> JobContext:
     return ecrec_ctx(request.param)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: torch's intra-op thread pool costs more than it saves on them here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny tensors (tests/conftest.py)
 
 
 def make_updates(ctx: JobContext, steps: range, seed: int) -> list[Update]:

@@ -55,13 +55,8 @@ def ctx() -> JobContext:
     return ecrec_ctx()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: torch's intra-op thread pool costs ~10x more than it saves on them here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# These tensors are tiny: torch's intra-op thread pool costs ~10x more than it saves on them here.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_updates(ctx: JobContext, n: int, seed: int, cold: int = 200) -> list[Update]:

@@ -29,6 +29,7 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 NS = "node-loss-e2e"
 HOSTNAME = "kubernetes.io/hostname"
 SMALL = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+OTHER = "ecrec-local-0"  # where a pinned job's coordinator and workers run
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,22 @@ def start(kube: KubeTestEnv, name: str, steps: int, **overrides) -> None:
     )
 
 
+def start_pinned(kube: KubeTestEnv, name: str, node: str, steps: int, **overrides) -> None:
+    """A job whose servers all run on `node` (FailureDomainsAtRisk), everything else on ecrec-local-0: losing
+    `node` is the servers' loss alone."""
+    assert node != OTHER and MULTINODE_NODES >= 3
+    pin = {
+        f"{role}.template": {"spec": {"nodeSelector": {HOSTNAME: node if role == "servers" else OTHER}}}
+        for role in ("servers", "coordinator", "workers")
+    }
+    start(kube, name, steps, **pin, **overrides)
+
+
+def domain_condition(kube: KubeTestEnv, name: str, status: str) -> dict | None:
+    conds = (util.get_job(kube, NS, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c["type"] == "FailureDomainsAtRisk" and c["status"] == status), None)
+
+
 def chaos_json(kube: KubeTestEnv, name: str, *args: str) -> tuple[int, dict]:
     proc = util.chaos(kube.kubeconfig, NS, "--job", name, "-o", "json", *args)
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}
@@ -82,15 +99,8 @@ def events_of(kube: KubeTestEnv, name: str) -> list[dict]:
 
 def test_a_job_spread_over_the_nodes_survives_a_random_node_loss(kube_multinode: KubeTestEnv, operator):
     kube, name = kube_multinode, "spread-loss"
-    start(kube, name, steps=2500)
-    wait_for(
-        "FailureDomainsAtRisk=False",
-        lambda: any(
-            c["type"] == "FailureDomainsAtRisk" and c["status"] == "False"
-            for c in (util.get_job(kube, NS, name).get("status") or {}).get("conditions") or []
-        ),
-        60,
-    )
+    start(kube, name, steps=1200)
+    wait_for("FailureDomainsAtRisk=False", lambda: domain_condition(kube, name, "False"), 60)
     code, out = chaos_json(
         kube, name, "--node", "random", "--duration", "40", "--seed", "3", "--timeout", "300"
     )
@@ -130,20 +140,8 @@ def test_a_job_spread_over_the_nodes_survives_a_random_node_loss(kube_multinode:
 def test_servers_sharing_a_node_fail_the_job_naming_the_shards_when_it_is_lost(
     kube_multinode: KubeTestEnv, operator
 ):
-    kube, name = kube_multinode, "shared-loss"
-    shared, other = "ecrec-local-2", "ecrec-local-0"
-    assert MULTINODE_NODES >= 3
-    start(
-        kube,
-        name,
-        steps=5000,
-        **{
-            "servers.template": {"spec": {"nodeSelector": {HOSTNAME: shared}}},
-            # Everything else elsewhere: the loss is the servers' alone.
-            "coordinator.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
-            "workers.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
-        },
-    )
+    kube, name, shared = kube_multinode, "shared-loss", "ecrec-local-2"
+    start_pinned(kube, name, shared, steps=5000)
     code, out = chaos_json(kube, name, "--node", shared, "--duration", "30", "--timeout", "300")
     assert code == 1, out
     faults = out["faults"]
@@ -169,7 +167,7 @@ def test_servers_sharing_a_node_survive_its_loss_by_rolling_back_to_the_fallback
     kube_multinode: KubeTestEnv, operator
 ):
     kube, name = kube_multinode, "shared-fallback"
-    shared, other = "ecrec-local-3", "ecrec-local-0"
+    shared = "ecrec-local-3"
     claim = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -177,17 +175,10 @@ def test_servers_sharing_a_node_survive_its_loss_by_rolling_back_to_the_fallback
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
     }
     kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(claim))
-    start(
-        kube,
-        name,
-        steps=3000,
-        **{
-            "servers.template": {"spec": {"nodeSelector": {HOSTNAME: shared}}},
-            "coordinator.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
-            "workers.template": {"spec": {"nodeSelector": {HOSTNAME: other}}},
-            "faultTolerance.ecrec.fallback": {"intervalSteps": 200, "volumeClaim": CLAIM},
-        },
-    )
+    fallback = {"intervalSteps": 200, "volumeClaim": CLAIM}
+    start_pinned(kube, name, shared, steps=1500, **{"faultTolerance.ecrec.fallback": fallback})
+    cond = wait_for("FailureDomainsAtRisk=True", lambda: domain_condition(kube, name, "True"), 60)
+    assert f"{shared} holds servers 0, 1, 2, 3" in cond["message"], cond
     wait_for(
         "a fallback checkpoint",
         lambda: ((util.get_job(kube, NS, name).get("status") or {}).get("checkpointing") or {}).get(

@@ -39,14 +39,17 @@ def build_log_path() -> Path:
 
 def schedulable_nodes(node_list: dict) -> set[str]:
     """Names of the nodes of a NodeList (`kubectl get nodes -o json`) that kube-scheduler may place pods on: Ready,
-    and rid of the not-ready taint the API server gives a new node (hack/k8s-up uses this too)."""
+    not cordoned, and rid of the node lifecycle controller's taints (node.kubernetes.io/not-ready, which the API
+    server gives a new node, and /unreachable, which a node that was lost keeps for a monitor period after it is
+    Ready again) (hack/k8s-up uses this too)."""
     out = set()
     for node in node_list["items"]:
         ready = any(
             c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions") or []
         )
         taints = {t["key"] for t in node["spec"].get("taints") or []}
-        if ready and "node.kubernetes.io/not-ready" not in taints:
+        lifecycle = {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+        if ready and not node["spec"].get("unschedulable") and not taints & lifecycle:
             out.add(node["metadata"]["name"])
     return out
 

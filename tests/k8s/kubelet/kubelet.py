@@ -22,6 +22,7 @@ one it must crash; nothing blocking runs with it held.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -45,7 +46,8 @@ from .node import NODE_NAME, Node, node_capacity, node_names
 from .outages import KubeletOutages
 from .scheduler import Binder
 
-LOGGER = "ecrec.test-kubelet"  # + ".<node>": one logger (and kubelet.log) per kubelet
+LOGGER = "ecrec.test-kubelet"  # + ".<node>.<n>": one logger (and kubelet.log) per kubelet
+_kubelets = itertools.count(1)  # two kubelets of one process (two control planes) may serve nodes of one name
 
 
 class TestKubelet(KubeletOutages):
@@ -106,7 +108,7 @@ class TestKubelet(KubeletOutages):
         self._down: set[str] = set()  # outages.py: nodes whose machine is down
         self._lost: dict[str, set[str]] = {}  # outages.py: node -> uids of the pods lost with its machine
         self._stop_deadline = 0.0
-        self.log = logging.getLogger(f"{LOGGER}.{self.node_name}")
+        self.log = logging.getLogger(f"{LOGGER}.{self.node_name}.{next(_kubelets)}")
         self._log_handler: logging.Handler | None = None
         self._started = False
 
