@@ -258,9 +258,8 @@ class ProgressReporter:
         self._refused: SystemExit | None = None  # the coordinator refused this process (from the loop)
         self.done = False  # all steps trained (a rollback can undo it)
         self.control: dict | None = None
-        self.on_control: Callable[[dict], None] | None = (
-            None  # called with each control the coordinator sends
-        )
+        # called with each control the coordinator sends (Holds: a rollback interrupts the step's calls)
+        self.on_control: Callable[[dict], None] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 

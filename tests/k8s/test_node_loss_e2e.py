@@ -5,7 +5,8 @@ would). The node lifecycle controller marks it NotReady (Ready Unknown), the ope
 there (their phase still says Running) and replaces them on other nodes, and the job rebuilds its servers.
 
 - servers spread over the nodes (`servers.failureDomain`): any node may go, the job goes on and succeeds with
-  parity exact;
+  parity exact; the same with the taint injector (any cluster's: cordon, NoExecute taint, the job's pods there
+  deleted);
 - servers sharing a node (FailureDomainsAtRisk): losing it loses more than r shards at once, and the job fails
   at once with a reason naming them; with the checkpoint fallback (`faultTolerance.ecrec.fallback`, its
   checkpoints on a PersistentVolumeClaim) it rolls back to the last checkpoint instead and succeeds.
@@ -133,6 +134,32 @@ def test_a_job_spread_over_the_nodes_survives_a_random_node_loss(kube_multinode:
         lambda: node in schedulable_nodes(json.loads(kube.kubectl("get", "nodes", "-o", "json").stdout)),
         90,
     )
+    kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
+    wait_for("the job's pods to go", lambda: util.pods(kube, NS, f"ecrec.dev/job={name}") == [], 90)
+
+
+def test_the_taint_injector_loses_a_node_on_any_cluster_and_lifts_it_after(
+    kube_multinode: KubeTestEnv, operator
+):
+    """`--injector taint`, what a cluster without the test kubelet gets: the node cordoned and tainted NoExecute,
+    the job's pods there deleted at once, replaced elsewhere; after the duration the node takes pods again."""
+    kube, name, node = kube_multinode, "taint-loss", "ecrec-local-2"
+    start(kube, name, steps=1200)
+    wait_for("FailureDomainsAtRisk=False", lambda: domain_condition(kube, name, "False"), 60)
+    code, out = chaos_json(kube, name, "--node", node, "--injector", "taint", "--duration", "15")
+    faults = out["faults"]
+    assert code == 0 and faults and all(f["outcome"] == "recovered" for f in faults), faults
+    assert {f["injector"] for f in faults} == {"taint"} and "server" in {f["role"] for f in faults}, faults
+    replaced = [
+        p
+        for p in util.pods(kube, NS, f"ecrec.dev/job={name}")
+        if int(p["metadata"]["labels"]["ecrec.dev/incarnation"]) > 1
+    ]
+    assert replaced and all(p["spec"].get("nodeName") != node for p in replaced), replaced
+    spec = json.loads(kube.kubectl("get", "node", node, "-o", "json").stdout)["spec"]
+    assert not spec.get("unschedulable") and not [t for t in spec.get("taints") or [] if "chaos" in t["key"]]
+    status = util.wait_done(kube, NS, name, timeout=600)
+    assert status["parityCheck"]["mismatches"] == 0
     kube.kubectl("delete", "ecj", name, "-n", NS, "--wait=false")
     wait_for("the job's pods to go", lambda: util.pods(kube, NS, f"ecrec.dev/job={name}") == [], 90)
 

@@ -476,9 +476,9 @@ class ParityParticipant:
 
     def reset(self) -> None:
         """Forget every delta in flight, as a freshly started server that rebuilt everything: nothing staged,
-        pending or held, every record ready. Decisions remembered are forgotten too: after a rollback the
-        workers replay their steps under the same txn ids, and those must apply (not be skipped as late
-        duplicates of decisions about updates the load undid)."""
+        pending or held, every record ready. Decisions remembered are forgotten too: a step replayed after a
+        rollback under an id used before (workers' ids carry the rollback's generation, a replay in a test may
+        not) must apply, not be skipped as a late duplicate of a decision about an update the load undid."""
         self.staged.clear()
         self.staged_at.clear()
         self.resolved.clear()

@@ -109,8 +109,8 @@ class Checkpoints(StoreState):
         self.parity_rebuilding.zero_()
         self.dense_copying_in.clear()
         self.acting.reset()
-        # Updates after the checkpoint were undone: their txn ids are replayed by the workers and must apply
-        # anew, not be answered from what this server remembers of them.
+        # Updates after the checkpoint were undone: a replay under an id used before must apply anew, not be
+        # answered from what this server remembers of it.
         self.outcomes.clear()
         self.deltalog.clear()
         self.accepted.clear()
