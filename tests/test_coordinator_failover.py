@@ -173,6 +173,37 @@ def test_a_successor_coordinator_takes_over_progress_and_recoveries_and_admits_r
         old.register_worker(RegisterWorker(rank=0, instance="w0-3", incarnation=3, rejoin=True))
 
 
+def test_a_successor_slow_to_serve_counts_failure_timeouts_from_when_it_serves():
+    # Seen on a loaded machine: the successor's tick ran before its HTTP server was up, and every server it
+    # restored (their heartbeats refused until then) was declared failed at once: "5 servers lost at once".
+    job, clock, alive, old = started_job()
+    seed = old.status()["resume"]
+    timeout = job.spec.coordinator.failure_timeout_seconds
+
+    def successor() -> Coordinator:
+        clock.t += 1
+        new = Coordinator(job, clock=clock, probe=old.probe, generation=2, seed=seed)
+        clock.t += 2 * timeout  # imports, the app, uvicorn's start
+        return new
+
+    unserved = successor()
+    unserved.tick()
+    assert [s["state"] for s in unserved.status()["cluster"]["shards"]] == ["failed"] * 3  # the bug's shape
+
+    new = successor()
+    new.serving()
+    new.tick()
+    st = new.status()
+    assert [s["state"] for s in st["cluster"]["shards"]] == ["up"] * 3 and not st["workers"][0][
+        "unresponsive"
+    ]
+    clock.t += timeout - 0.5
+    new.heartbeat(Heartbeat(shard=0, address="a0", instance="s0-1", incarnation=1))
+    clock.t += 1.0  # from serving on, silence counts as usual
+    new.tick()
+    assert [s["state"] for s in new.status()["cluster"]["shards"]] == ["up", "failed", "failed"]
+
+
 def test_a_replacement_of_a_shard_the_seed_has_failed_is_refused_and_a_new_one_rebuilds_it():
     # The replacement registered, and the rebuild started, after the last seed: the successor knows the shard
     # only as failed, publishes it so, and acting homes take degraded writes of its rows again. Whatever the

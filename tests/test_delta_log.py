@@ -16,6 +16,7 @@ import torch
 
 from ecrec.core.deltalog import DeltaLog
 from ecrec.core.txn import DeltaBatch
+from ecrec.store.state import NotOwner
 from tests.conftest import make_ctx
 from tests.netsim import WORKER, Net, assert_same_model, bits, logical_model, parity_check, wire_copy
 
@@ -130,6 +131,42 @@ def test_deltas_delivered_out_of_order_wait_for_their_predecessor(ctx):
     assert_consistent(net)
     want = reference(ctx, [("w0-1/1.-1.0", g, a), ("w1-1/1.-1.0", g, b)])
     assert_same_model(logical_model(net), logical_model(want))
+
+
+def test_a_stage_planned_before_a_replacement_registered_is_refused_once_the_rebuild_has_read(ctx):
+    # Found as rare stalls of coordinator-failover runs: a worker whose map still had parity server q failed
+    # staged rows of S (planned to skip q), the stage took S's lock only after q's replacement had read S's
+    # rows for its re-encode. The rebuilt parity never got that delta, and every later update of those rows
+    # was held at q for it, forever. S adopted the newer epoch with the read (netsim: every store does at
+    # each map change), so the stage must be refused under the lock, whatever it was checked against before.
+    net, g = Net(ctx), rows(ctx)
+    gr = grads(ctx, g, 1)
+    q = int(ctx.placement.parity_of(S, ctx.placement.local_row(g))[0][0])
+    net.kill(q)
+    planned = net.epoch  # the worker's map: q failed, its deltas are skipped
+    net.replace(q)
+    net.recover(q, lock_group_rows=64)  # q's parity re-encoded from S's rows as they are now
+    with pytest.raises(NotOwner):
+        net.call(WORKER, S, "apply_part", "w0-1/1.-1.0", g, gr, -1, None, planned)
+    assert not bool(net[S].rows.versions[ctx.placement.local_row(g)].any())  # nothing applied
+    # The worker refreshes its map and stages again: q is a parity server again, its deltas delivered too.
+    _, batches = net.call(WORKER, S, "apply_part", "w0-1/1.-1.0", g, gr, -1, None, net.epoch)
+    assert q in {b.parity_server for b in batches}
+    assert deliver(net, [wire_copy(b, b.parity_server) for b in batches], wait=True) == []
+    assert_consistent(net)
+    assert_same_model(logical_model(net), logical_model(reference(ctx, [("w0-1/1.-1.0", g, gr)])))
+
+
+def test_a_parity_server_says_what_a_held_delivery_waits_for(ctx):
+    net, g = Net(ctx), rows(ctx)
+    stage(net, "w0-1/1.-1.0", g, grads(ctx, g, 1))  # versions 1: never delivered
+    _, later = stage(net, "w1-1/1.-1.0", g, grads(ctx, g, 2))  # versions 2
+    ps = later[0].parity_server
+    mine = [b for b in later if b.parity_server == ps]
+    assert deliver(net, mine) == []  # accepted, held
+    why = net[ps].parity.why_held(mine)
+    assert f"txn w1-1/1.-1.0 from shard {S} wait for an earlier update" in why
+    assert "at version 2, the record reflects version 0" in why
 
 
 def test_a_data_server_dead_before_delivery_has_its_rows_written_again_once(ctx):

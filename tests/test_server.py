@@ -12,6 +12,7 @@ from ecrec.model import init_embedding_rows
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
 from ecrec.server import ParameterServicer, start_grpc
+from ecrec.serverlink import ClusterView
 from ecrec.store import ShardStore
 from ecrec.wire import floats_to_bytes, ids_to_bytes
 from tests.conftest import make_ctx
@@ -142,6 +143,31 @@ def test_stale_epoch_is_rejected(served):
         stub.Pull(pb.PullRequest(epoch=4, ids=ids_to_bytes(owned_ids(ctx, 1, 2))))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "stale epoch" in err.value.details()
+
+
+def test_a_rebuild_read_makes_the_server_adopt_its_epoch_first_or_is_refused():
+    # A replacement's rebuild reads (ReadRows) carry its newer epoch. The server must hold it before reading,
+    # so that no stage planned on the older map applies after the read (ShardStore._admit).
+    ctx = make_ctx(servers__replicas=3)
+    store, view = ShardStore(ctx, 1), ClusterView()
+    server, port = start_grpc(
+        ParameterServicer(store, Metrics("t", "server", "1"), view, epoch=5), "127.0.0.1:0", 4
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ParameterServerStub(channel)
+    read = pb.ReadRowsRequest(epoch=7, kind=pb.DATA, index=ids_to_bytes(torch.arange(3)))
+    with pytest.raises(grpc.RpcError) as err:  # the coordinator's map does not say 7 (no coordinator here)
+        stub.ReadRows(read)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ahead" in err.value.details()
+    assert store.epoch == 5
+    view.update({"epoch": 7, "shards": []})  # the map says it now
+    stub.ReadRows(read)
+    assert store.epoch == 7
+    with pytest.raises(grpc.RpcError) as err:  # a stage planned on the older map is refused from now on
+        stub.Pull(pb.PullRequest(epoch=6, ids=ids_to_bytes(owned_ids(ctx, 1, 2))))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    channel.close()
+    server.stop(None)
 
 
 def test_read_records_pages_cover_the_table(served):

@@ -162,6 +162,8 @@ class DeltaLogDriver:
         them is unknown, so their rows wait (StepUpdate.rows_unanswered) until they are asked `again`; then
         only those servers' rows are spoken for."""
         refused, undelivered = self._deliver(staged, errors)
+        for server in sorted(undelivered):  # (in the log and in Stalled's reason: a delivery that never ends)
+            retries.note(server, "DeliverDeltas", errors.get(server, "no answer"))
         unanswered = []
         for part, deltas in staged:
             asked = {d.parity_server for d in deltas}

@@ -33,7 +33,7 @@ from ecrec.coordinator.contract import EventIn, WorkerLost
 from ecrec.core.reconcile import Action, Observed, Proc, coordinator_seed, reconcile
 from ecrec.forkserver import Forked, ForkServer
 from ecrec.jobctx import JobContext
-from ecrec.roles import CPUS_ENV, role_argv
+from ecrec.roles import CPUS_ENV, DUMP_STACKS, role_argv
 from ecrec.spec import JobSpec, section_at
 
 
@@ -180,6 +180,13 @@ class LocalCluster:
         if child.alive:
             child.proc.send_signal(sig)
             child.proc.wait()
+
+    def dump_stacks(self, settle: float = 0.5) -> None:
+        """Every live process writes its threads' stacks to its log (roles.DUMP_STACKS)."""
+        for c in self.children.values():
+            if c.alive:  # the job failed: one that dies of it (not yet in run_role) loses nothing
+                c.proc.send_signal(DUMP_STACKS)
+        time.sleep(settle)  # faulthandler writes from its own handler; give it time before SIGTERM
 
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop workers, then servers, then the coordinator: SIGTERM, then SIGKILL after `grace` seconds."""
@@ -528,6 +535,9 @@ def run_local(
             extra["staged_after"] = found.staged_after
             extra["dense_replica_mismatches"] = found.dense_replica_mismatches
         status = cluster.coordinator.status()
+    except JobFailed:
+        cluster.dump_stacks()  # where each process waits, in its log: why the job failed
+        raise
     finally:
         cluster.shutdown()
     if recoverable:

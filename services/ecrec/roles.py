@@ -7,8 +7,11 @@ import the CLI (which imports the launcher, which imports the fork server).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import signal
+import sys
 
 from ecrec.core.roles import ROLES, SPARE
 
@@ -20,6 +23,7 @@ assert tuple(ROLE_MODULES) == ROLES
 # The cores this process may run on (`0-5,8`), set per role by `ecrec local --cpus` (and the benchmarks): servers
 # on cores of their own, as pods with CPU requests have on a cluster, and workers not competing with them.
 CPUS_ENV = "ECREC_CPUS"
+DUMP_STACKS = signal.SIGUSR1
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -69,6 +73,9 @@ def run_role(role: str, argv: list[str]) -> None:
             os.sched_setaffinity(0, parse_cpus(spec))
         except (ValueError, OSError) as e:  # OSError: cores this machine does not have
             raise SystemExit(f"{CPUS_ENV}={spec}: {e}") from None
+    # `kill -USR1 PID` writes every thread's stack to the log (stderr): where a stuck process waits. `ecrec
+    # local` asks each process for it when a job fails.
+    faulthandler.register(DUMP_STACKS, file=sys.stderr, all_threads=True)
     importlib.import_module(ROLE_MODULES[role]).main(argv)
 
 

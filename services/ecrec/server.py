@@ -59,6 +59,8 @@ from ecrec.wire import (
 log = logging.getLogger("ecrec.server")
 
 KIND_NAMES = {pb.DATA: "data", pb.PARITY: "parity", pb.DENSE: "dense"}
+# How long a rebuild read waits for this server's map to reach the reader's epoch before it is refused.
+ADOPT_EPOCH_WAIT = 1.0
 
 
 class StaleEpoch(Exception):
@@ -228,9 +230,10 @@ def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> Del
 _logged_once: set[tuple[str, str]] = set()
 
 
-def rpc(method: str, check_epoch: bool = True):
+def rpc(method: str, check_epoch: bool = True, adopt_epoch: bool = False):
     """Servicer method wrapper: epoch check, error mapping and latency metric in one place. No exception
-    escapes as UNKNOWN: what no rule expects is INTERNAL, logged with its traceback once per (method, type)."""
+    escapes as UNKNOWN: what no rule expects is INTERNAL, logged with its traceback once per (method, type).
+    `adopt_epoch`: the caller's newer epoch must be this server's before the call runs (see observe_epoch)."""
 
     def deco(fn):
         @functools.wraps(fn)
@@ -241,7 +244,7 @@ def rpc(method: str, check_epoch: bool = True):
             token = CALLER.set(caller)
             with m.timed(method):
                 try:
-                    self.observe_epoch(getattr(request, "epoch", 0), check_epoch)
+                    self.observe_epoch(getattr(request, "epoch", 0), check_epoch, adopt_epoch)
                     return fn(self, request, context)
                 except InvalidRequest as e:
                     code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(e)
@@ -292,15 +295,20 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     def epoch(self) -> int:
         return self.store.epoch
 
-    def observe_epoch(self, epoch: int, check: bool) -> None:
+    def observe_epoch(self, epoch: int, check: bool, adopt: bool = False) -> None:
         """Reject a stale epoch; adopt a newer one only once the coordinator's map confirms it. A request
-        that claims an epoch the coordinator has not published is refused and its epoch never stored."""
+        that claims an epoch the coordinator has not published is refused and its epoch never stored.
+
+        `adopt`: a replacement's rebuild reads (ReadRows). This server must hold the reader's epoch before
+        it reads, so that no stage planned on an older map (one that skips the replacement as a failed
+        parity server) applies after the read (ShardStore._admit); it waits a little for the map to
+        confirm it, then refuses (the rebuild tries again)."""
         # 0 means "no epoch" (proto3 default): tools and tests that do not track the map.
         if not epoch:
             return
         if epoch > self.store.epoch:
-            if not self.view.confirm(epoch):
-                if not check:
+            if not self.view.confirm(epoch) and not (adopt and self._await_epoch(epoch)):
+                if not check and not adopt:
                     # Commits, decisions and reads do not depend on the map: served, the epoch not stored.
                     # (A worker can be ahead legitimately: two failures publish two epochs within the 50 ms
                     # this view waits between fetches, and a refused Commit failed the whole job.)
@@ -311,6 +319,15 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             self.store.epoch = max(self.store.epoch, self.view.epoch)
         if check and epoch < self.store.epoch:
             raise StaleEpoch(f"stale epoch {epoch}: the cluster map is at epoch {self.store.epoch}")
+
+    def _await_epoch(self, epoch: int, patience: float = ADOPT_EPOCH_WAIT) -> bool:
+        """Ask the map again (at most once per 50 ms: ClusterView.confirm) until it has `epoch`."""
+        end = time.monotonic() + patience
+        while time.monotonic() < end:
+            time.sleep(0.06)
+            if self.view.confirm(epoch):
+                return True
+        return False
 
     # -- field checks (before anything happens) ---------------------------------------------------------
     def _shard_id(self, s: int, what: str, *, other: bool = True) -> int:
@@ -525,7 +542,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     def Outcome(self, request, context):
         return pb.TxnResponse(outcome=self.store.outcome(self._own_txn(request.txn, -1)))
 
-    @rpc("ReadRows", check_epoch=False)
+    @rpc("ReadRows", check_epoch=False, adopt_epoch=True)
     def ReadRows(self, request, context):
         if request.kind not in (pb.DATA, pb.PARITY):
             raise InvalidRequest("kind: ReadRows reads DATA or PARITY records")

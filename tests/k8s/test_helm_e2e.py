@@ -157,7 +157,17 @@ def test_helm_install_runs_the_operator_as_a_deployment_and_a_job_trains(cluster
     assert pod["spec"]["serviceAccountName"] == OPERATOR
     assert deploy["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     ip = pod["status"]["podIP"]
-    assert httpx.get(f"http://{ip}:8080/healthz", timeout=10).status_code == 200
+
+    def kopf_health():
+        # A candidate's stand-in /healthz (plain text) made the pod Ready; the leader's kopf answers with its
+        # probes as JSON. Requests at the handoff are refused or reset (the stand-in's socket closes first).
+        try:
+            r = httpx.get(f"http://{ip}:8080/healthz", timeout=10)
+        except httpx.TransportError:
+            return None
+        return r.status_code == 200 and r.headers.get("content-type", "").startswith("application/json")
+
+    wait_for("kopf's /healthz in the leader", kopf_health, 60, every=0.5)
 
     # The credentials the kubelet handed the pod are the ServiceAccount's, with the chart's rights only.
     key = f"{OP_NS}_{pod['metadata']['name']}"

@@ -6,6 +6,7 @@ job token 401), and `main` runs the process (arguments, the seed, the ticker, uv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 import uvicorn
@@ -51,7 +52,9 @@ def load_seed(source: str) -> dict:
     return seed
 
 
-def create_app(coord: Coordinator) -> FastAPI:
+def create_app(coord: Coordinator, lifespan=None) -> FastAPI:
+    """The coordinator's HTTP API; `lifespan` as FastAPI takes it (main: start the ticker once serving)."""
+
     async def require_token(request: Request) -> None:
         # Reads stay open (probes, dashboards, scrapers); what changes the job needs the job token.
         if request.method not in ("GET", "HEAD") and not auth.valid(
@@ -59,7 +62,9 @@ def create_app(coord: Coordinator) -> FastAPI:
         ):
             raise HTTPException(401, "this job's token is required")
 
-    app = FastAPI(title="ecrec coordinator", version="v1", dependencies=[Depends(require_token)])
+    app = FastAPI(
+        title="ecrec coordinator", version="v1", dependencies=[Depends(require_token)], lifespan=lifespan
+    )
 
     @app.get(api.HEALTHZ)
     def healthz() -> dict:
@@ -189,5 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     coord = Coordinator(ctx.job, generation=args.generation, seed=seed, token=ctx.token)
     if args.metrics_port:
         coord.metrics.serve(args.metrics_port, args.host)
-    coord.run_ticker()
-    uvicorn.run(create_app(coord), host=args.host, port=args.port, log_level="warning", access_log=False)
+
+    @contextlib.asynccontextmanager
+    async def serving(_app):  # uvicorn binds its socket right after: heartbeats can arrive from now on
+        coord.run_ticker()
+        yield
+
+    app = create_app(coord, lifespan=serving)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

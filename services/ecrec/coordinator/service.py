@@ -27,7 +27,7 @@ import math
 import threading
 import time
 
-from ecrec.coordinator import views
+from ecrec.coordinator import failover, views
 from ecrec.coordinator.admission import Admission
 from ecrec.coordinator.checkpoints import CheckpointDriver
 from ecrec.coordinator.contract import (
@@ -105,7 +105,7 @@ class Coordinator:
         # strategy ecrec with a checkpoint fallback: ECRec rebuilds up to r lost shards, the checkpoint more
         self.fallback = self.ckpt is not None and self.ckpt.cycle.fallback
         if seed is not None:
-            self._restore(seed)
+            failover.restore(self, seed, MAX_SEEDED_EVENTS)
             if self.ckpt is not None:
                 with self.lock:
                     self.ckpt.take_over(seed)
@@ -116,22 +116,6 @@ class Coordinator:
         launchers keep the latest copy (the operator in the ECRecJob's status.resume)."""
         with self.lock:
             return views.resume_state(self, MAX_SEEDED_EVENTS)
-
-    def _restore(self, seed: dict) -> None:
-        now = self.clock()
-        self.cluster.restore(seed, now)
-        p = self.progress
-        p.started_at = seed.get("startedAt")
-        p.finished_at = seed.get("finishedAt")
-        self.workers.last_step_at = seed.get("lastStepAt")
-        self.workers.restore(seed.get("workers", []), now)
-        self.recoveries.restore(seed.get("recoveries", []))
-        p.events = [dict(e) for e in seed.get("events", [])][-MAX_SEEDED_EVENTS:]
-        if p.started_at is not None:
-            p.samples_log.append((now, p.total_samples))
-            p.timeline.start(now, p.total_samples)
-        p.event("coordinator_restored", now, generation=self.generation, epoch=self.cluster.epoch)
-        self.apply([])
 
     # -- cluster ---------------------------------------------------------------------------------------
     def apply(self, transitions: list[Transition]) -> None:
@@ -435,8 +419,15 @@ class Coordinator:
         return views.phase(self)
 
     # -- lifecycle -------------------------------------------------------------------------------------
+    def serving(self) -> None:
+        """This process answers from now on (failover.serving)."""
+        with self.lock:
+            failover.serving(self)
+
     def run_ticker(self) -> threading.Thread:
+        """Start watching for failures; called as the app starts serving (see `serving`)."""
         interval = min(0.5, self.spec.coordinator.heartbeat_interval_seconds)
+        self.serving()
 
         def loop() -> None:
             while not self._stop.wait(interval):

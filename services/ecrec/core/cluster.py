@@ -129,6 +129,14 @@ class ClusterMap:
             info.failed_at = now if info.state is ShardState.FAILED else None
         self.restored = True
 
+    def serving(self, now: float) -> None:
+        """This coordinator answers from `now` on: the first moment a restored shard's heartbeat can reach it.
+        Its failure timeout counts from here, not from `restore` (a successor slow to start, e.g. on a busy
+        machine, would otherwise declare every server it restored failed before any could be heard)."""
+        for info in self.shards:
+            if info.state in (ShardState.UP, ShardState.RECOVERING):
+                info.last_heartbeat = max(info.last_heartbeat, now)
+
     def seed(self) -> dict:
         """This map as a successor's `restore` takes it."""
         return {"epoch": self.epoch, "shards": [s.seed() for s in self.shards]}

@@ -287,6 +287,20 @@ class ParityParticipant:
         behind = self.pver.view(-1).index_select(0, self._key(b)) < b.version
         return behind & self.ready.index_select(0, b.index)
 
+    def why_held(self, batches: list[DeltaBatch]) -> str:
+        """What the first of `batches` with a row still behind waits for, in words (for the log)."""
+        for b in batches:
+            behind = self.unreflected(b)
+            if bool(behind.any()):
+                i = int(behind.nonzero()[0])
+                have = int(self.pver.view(-1)[self._key(b)[i]])
+                return (
+                    f"{int(behind.sum())} rows of txn {b.txn} from shard {b.src} wait for an earlier update: e.g. "
+                    f"parity record {int(b.index[i])} slot {int(b.slot[i])} at version {int(b.version[i])}, "
+                    f"the record reflects version {have}"
+                )
+        return "nothing held"
+
     def drop_held(self, src: int) -> list[DeltaBatch]:
         """Forget the held rows of data server `src` (it failed or was replaced: the predecessors they wait for
         will be refused, so they can never apply). Returns what was dropped."""

@@ -174,6 +174,12 @@ class WorkerRegistry:
                 heard_at=now,  # the restored ones get a failure timeout from now to be heard
             )
 
+    def serving(self, now: float) -> None:
+        """The coordinator answers from `now` on (ClusterMap.serving): restored workers may be silent until a
+        failure timeout after it."""
+        for w in self.progress.workers.values():
+            w.heard_at = max(w.heard_at or 0.0, now)
+
     # -- registration --------------------------------------------------------------------------------------
     def worker(self, rank: int, instance: str) -> WorkerProgress:
         """The registered worker of `rank`, if `instance` is that process; refused otherwise."""

@@ -24,12 +24,16 @@ rows; `forward_due` calls peers without it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import step_of
 from ecrec.faults import fault_point
 from ecrec.store.state import Busy, StoreState
+
+log = logging.getLogger("ecrec.server")
 
 REFUSED_KEPT = 4096  # (txn, src) whose dropped rows are remembered for their deliverer
 # (txn, src, incarnation) of accepted batches remembered: a worker asks again within a few passes of the first
@@ -66,7 +70,7 @@ class LoggedUpdates(StoreState):
                 return logged.rows, list(logged.batches)
             if txn in self.outcomes:  # applied and acknowledged (or forwarded): nothing left to deliver
                 return local.numel(), []
-            self._admit_dense(dense, epoch)
+            self._admit(dense, epoch)
             # Only a recovery lock group locks rows under deltaLog: it finishes on its own.
             self._wait(lambda: not self.rows.locks.busy(local, txn), "rows being rebuilt")
             batches = self.rows.apply(txn, local, grads)
@@ -185,7 +189,13 @@ class LoggedUpdates(StoreState):
                     for b in held
                 )
 
-            self._wait(applied, "deltas held for an earlier update of their rows")
+            try:
+                self._wait(applied, "deltas held for an earlier update of their rows")
+            except (
+                Busy
+            ):  # normal under load now and then; the same rows every time is the sign of a lost update
+                log.warning("a delivery waited for its predecessors in vain: %s", self.parity.why_held(held))
+                raise
             for b in accepted:
                 self._settle_src(b.src)
                 rows = self.refused.get((b.txn, b.src))

@@ -109,7 +109,7 @@ class Participant(StoreState):
         with self.lock:
             if txn in self.outcomes:
                 raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
-            self._admit_dense(dense, epoch)
+            self._admit(dense, epoch)
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn", lone)
             part = self.rows.stage(txn, local, grads, self.clock())  # a retried stage gets the same part

@@ -249,9 +249,19 @@ class StoreState:
             check_finite(dg, "dense_grads")
         return src, local, dense
 
-    def _admit_dense(self, dense: dict[int, torch.Tensor], epoch: int) -> None:
-        """May a stage planned under `epoch` update these dense chunks here now? Needs `lock` (and may wait
-        for a copy being taken)."""
+    def _admit(self, dense: dict[int, torch.Tensor], epoch: int) -> None:
+        """May a stage planned under `epoch` apply here now (its rows, and these dense chunks)? Needs `lock`
+        (and may wait for a copy being taken).
+
+        The epoch is checked again here, under the lock, though the servicer checked it on arrival: a
+        replacement's rebuild read makes this server adopt a newer epoch and then reads under the lock, and a
+        stage planned before it (the worker's map still has the replacement's shard failed, so the worker
+        skips that parity server) that took the lock after the read would apply an update whose delta the
+        rebuilt parity never gets: every later update of the row was then held there for it, forever."""
+        if epoch and epoch < self.epoch:
+            raise NotOwner(
+                f"stale epoch {epoch}: this server is at epoch {self.epoch}, refresh the cluster map"
+            )
         for c in dense:
             if self.dense.stale(c, epoch):
                 raise NotOwner(f"dense chunk {c} has a new replica: refresh the cluster map")
