@@ -126,3 +126,6 @@ def test_more_than_r_servers_killed_at_once_fails_the_job_with_the_reason(tmp_pa
     reason = str(err.value)
     assert "servers lost at once, more than r=1" in reason, reason
     assert "shards 1 (" in reason and "2 (" in reason and "stripes lost" in reason
+    # Before stopping them, the launcher had every process still alive write where it waited (SIGUSR1).
+    for name in ("coordinator", "worker-0", "server-0"):
+        assert "most recent call first" in (tmp_path / "logs" / f"{name}.log").read_text(), name
