@@ -198,6 +198,30 @@ def test_the_taint_injector_cordons_taints_and_deletes_the_jobs_pods_there_then_
     assert code == 0 and all(f.outcome == "recovered" for f in faults)
 
 
+def test_a_tainted_node_without_pods_of_the_job_stays_down_for_the_duration(monkeypatch):
+    clock = iter(range(10**6))
+    monkeypatch.setattr(driver.time, "time", lambda: 2e9 + next(clock))
+
+    class Idle(FakeCluster):  # node d runs no pod of the job; when was the node patched
+        def __init__(self, statuses, labels):
+            super().__init__(statuses, labels)
+            self.at: list[float] = []
+
+        def nodes(self):
+            return [*super().nodes(), {"metadata": {"name": "d"}}]
+
+        def patch_node(self, name, body):
+            self.at.append(driver.time.time())
+            super().patch_node(name, body)
+
+    fc = Idle([status(), status(step=101)], {})
+    o = Options(job=JOB, action="node-loss", node="d", interval=0, poll=0, duration=5, timeout=30)
+    faults, _, code = driver._run(o, fc, random.Random(0), 0, lambda line: None)
+    assert faults == [] and fc.deleted == [] and [name for name, _ in fc.patches] == ["d", "d"]
+    down, back = fc.at
+    assert back - down >= 5, "the taint was lifted before --duration was over"
+
+
 def test_the_annotation_injector_only_annotates_the_node():
     fc = FakeCluster([status(), status(), status(phase="Failed")], {NODE_DOWN_LABEL: "true"})
     fc._statuses[2]["reason"] = "2 servers lost at once"

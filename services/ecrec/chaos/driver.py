@@ -133,7 +133,8 @@ def _run(opts: Options, cluster: Cluster, rng: random.Random, seed: int, say) ->
             new, undo = _inject_pod_fault(cluster, opts, n, pods, status, rng, chaos_mesh, say)
         faults.extend(new)
         try:
-            while not all(f.over for f in new):
+            # (A node that runs none of the job's pods is lost all the same: its taint stays for the duration.)
+            while not all(f.over for f in new) or (not new and undo is not None):
                 time.sleep(opts.poll)
                 status = (cluster.job(opts.job).get("status")) or {}
                 pods = cluster.pods(opts.job)
