@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -11,7 +13,7 @@ from ecrec.metrics import Metrics
 from ecrec.model import init_embedding_rows
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.proto import ecrec_pb2_grpc as pb_grpc
-from ecrec.server import ParameterServicer, start_grpc
+from ecrec.server import ADOPT_EPOCH_WAIT, ADOPTING_AT_ONCE, ParameterServicer, start_grpc
 from ecrec.serverlink import ClusterView
 from ecrec.store import ShardStore
 from ecrec.wire import floats_to_bytes, ids_to_bytes
@@ -150,9 +152,8 @@ def test_a_rebuild_read_makes_the_server_adopt_its_epoch_first_or_is_refused():
     # so that no stage planned on the older map applies after the read (ShardStore._admit).
     ctx = make_ctx(servers__replicas=3)
     store, view = ShardStore(ctx, 1), ClusterView()
-    server, port = start_grpc(
-        ParameterServicer(store, Metrics("t", "server", "1"), view, epoch=5), "127.0.0.1:0", 4
-    )
+    servicer = ParameterServicer(store, Metrics("t", "server", "1"), view, epoch=5)
+    server, port = start_grpc(servicer, "127.0.0.1:0", 4)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ParameterServerStub(channel)
     read = pb.ReadRowsRequest(epoch=7, kind=pb.DATA, index=ids_to_bytes(torch.arange(3)))
@@ -160,6 +161,14 @@ def test_a_rebuild_read_makes_the_server_adopt_its_epoch_first_or_is_refused():
         stub.ReadRows(read)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "ahead" in err.value.details()
     assert store.epoch == 5
+    # Made-up epochs cannot hold every handler thread: past a few waits at once, refused without waiting.
+    held = [servicer._adopting.acquire(blocking=False) for _ in range(ADOPTING_AT_ONCE)]
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError):
+        stub.ReadRows(read)
+    assert all(held) and time.monotonic() - start < ADOPT_EPOCH_WAIT / 2
+    for _ in held:
+        servicer._adopting.release()
     view.update({"epoch": 7, "shards": []})  # the map says it now
     stub.ReadRows(read)
     assert store.epoch == 7

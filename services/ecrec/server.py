@@ -61,6 +61,7 @@ log = logging.getLogger("ecrec.server")
 KIND_NAMES = {pb.DATA: "data", pb.PARITY: "parity", pb.DENSE: "dense"}
 # How long a rebuild read waits for this server's map to reach the reader's epoch before it is refused.
 ADOPT_EPOCH_WAIT = 1.0
+ADOPTING_AT_ONCE = 8
 
 
 class StaleEpoch(Exception):
@@ -286,6 +287,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self.instance = instance or new_instance()
         self.checkpoints = CheckpointHandlers(store)  # Checkpoint and Restore (ecrec.ft.servicer)
         self.streams = StreamEndpoint(self)  # the Calls stream runs the methods below, one message each
+        self._adopting = threading.BoundedSemaphore(ADOPTING_AT_ONCE)  # see _await_epoch
 
     def Calls(self, request_iterator, context):
         """Unary calls as messages on a long-lived stream (ecrec.streams)."""
@@ -321,13 +323,20 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             raise StaleEpoch(f"stale epoch {epoch}: the cluster map is at epoch {self.store.epoch}")
 
     def _await_epoch(self, epoch: int, patience: float = ADOPT_EPOCH_WAIT) -> bool:
-        """Ask the map again (at most once per 50 ms: ClusterView.confirm) until it has `epoch`."""
-        end = time.monotonic() + patience
-        while time.monotonic() < end:
-            time.sleep(0.06)
-            if self.view.confirm(epoch):
-                return True
-        return False
+        """Ask the map again (at most once per 50 ms: ClusterView.confirm) until it has `epoch`. A few such
+        waits at a time (a rebuild reads in one round): requests that claim made-up epochs are refused at once
+        beyond that, instead of each holding a handler thread."""
+        if not self._adopting.acquire(blocking=False):
+            return False
+        try:
+            end = time.monotonic() + patience
+            while time.monotonic() < end:
+                time.sleep(0.06)
+                if self.view.confirm(epoch):
+                    return True
+            return False
+        finally:
+            self._adopting.release()
 
     # -- field checks (before anything happens) ---------------------------------------------------------
     def _shard_id(self, s: int, what: str, *, other: bool = True) -> int:
