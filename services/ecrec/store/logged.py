@@ -191,9 +191,8 @@ class LoggedUpdates(StoreState):
 
             try:
                 self._wait(applied, "deltas held for an earlier update of their rows")
-            except (
-                Busy
-            ):  # normal under load now and then; the same rows every time is the sign of a lost update
+            except Busy:
+                # Normal under load now and then; the same rows every time are the sign of a lost update.
                 log.warning("a delivery waited for its predecessors in vain: %s", self.parity.why_held(held))
                 raise
             for b in accepted:
