@@ -59,8 +59,11 @@ from ecrec.wire import (
 log = logging.getLogger("ecrec.server")
 
 KIND_NAMES = {pb.DATA: "data", pb.PARITY: "parity", pb.DENSE: "dense"}
-# How long a rebuild read waits for this server's map to reach the reader's epoch before it is refused.
-ADOPT_EPOCH_WAIT = 1.0
+# How long a rebuild read waits for this server's map to reach the reader's epoch before it is refused: two of
+# the view's fetch windows (ClusterView.confirm fetches at most once per 50 ms), so that an epoch published
+# just now is found; one the coordinator does not publish (made up, or no coordinator answering) is refused
+# after that, and the rebuild asks again.
+ADOPT_EPOCH_WAIT = 0.12
 ADOPTING_AT_ONCE = 8
 
 
@@ -303,8 +306,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
         `adopt`: a replacement's rebuild reads (ReadRows). This server must hold the reader's epoch before
         it reads, so that no stage planned on an older map (one that skips the replacement as a failed
-        parity server) applies after the read (ShardStore._admit); it waits a little for the map to
-        confirm it, then refuses (the rebuild tries again)."""
+        parity server) applies after the read (ShardStore._admit); it asks the map again for a moment
+        (ADOPT_EPOCH_WAIT), then refuses (the rebuild tries again)."""
         # 0 means "no epoch" (proto3 default): tools and tests that do not track the map.
         if not epoch:
             return
@@ -323,7 +326,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             raise StaleEpoch(f"stale epoch {epoch}: the cluster map is at epoch {self.store.epoch}")
 
     def _await_epoch(self, epoch: int, patience: float = ADOPT_EPOCH_WAIT) -> bool:
-        """Ask the map again (at most once per 50 ms: ClusterView.confirm) until it has `epoch`. A few such
+        """Ask the map again (ClusterView.confirm) until it has `epoch`, for `patience` seconds. A few such
         waits at a time (a rebuild reads in one round): requests that claim made-up epochs are refused at once
         beyond that, instead of each holding a handler thread."""
         if not self._adopting.acquire(blocking=False):
@@ -331,7 +334,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         try:
             end = time.monotonic() + patience
             while time.monotonic() < end:
-                time.sleep(0.06)
+                time.sleep(0.055)  # past the fetch window of the confirm that just failed
                 if self.view.confirm(epoch):
                     return True
             return False
