@@ -32,10 +32,14 @@ __all__ = [
 
 
 def ids_to_bytes(ids: torch.Tensor) -> bytes:
+    if ids.dtype == torch.int64 and ids.device.type == "cpu":  # the usual case: no conversions to dispatch
+        return ids.numpy().tobytes()  # (numpy copies a strided view out in order)
     return ids.to(device="cpu", dtype=torch.int64).contiguous().numpy().tobytes()
 
 
 def floats_to_bytes(x: torch.Tensor) -> bytes:
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad:
+        return x.numpy().tobytes()
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes()
 
 

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ecrec.core.codes import Code
@@ -167,11 +168,21 @@ class DataParticipant:
             return out
         # A row's parity server depends only on its stripe slot (placement.parity_of): sort the part by slot
         # once and cut it into one batch per slot (views), instead of gathering every field per server.
-        slot = torch.remainder(rows, p.k)
-        index = torch.div(rows, p.k, rounding_mode="floor")
-        order = torch.argsort(slot, stable=True)
-        sizes = torch.bincount(slot, minlength=p.k).tolist()
-        fields = [t.index_select(0, order).split(sizes) for t in (index, slot, delta, version)]
+        if rows.device.type == "cpu":  # numpy: each op ~1 µs at a part's few hundred rows, torch's ~5-10
+            r = rows.numpy()
+            slot_np = r % p.k
+            order_np = np.argsort(slot_np, kind="stable")
+            sizes = np.bincount(slot_np, minlength=p.k).tolist()
+            order = torch.from_numpy(order_np)
+            index, slot = torch.from_numpy((r // p.k)[order_np]), torch.from_numpy(slot_np[order_np])
+            fields = [t.split(sizes) for t in (index, slot)]
+            fields += [t.index_select(0, order).split(sizes) for t in (delta, version)]
+        else:
+            slot = torch.remainder(rows, p.k)
+            index = torch.div(rows, p.k, rounding_mode="floor")
+            order = torch.argsort(slot, stable=True)
+            sizes = torch.bincount(slot, minlength=p.k).tolist()
+            fields = [t.index_select(0, order).split(sizes) for t in (index, slot, delta, version)]
         for j in range(p.r):
             servers = [
                 ((self.shard - i + p.k + j) % p.num_servers, i) for i, size in enumerate(sizes) if size
@@ -240,6 +251,13 @@ class ParityParticipant:
         # batches are many, and each retry costs a few tensor ops). May be True where nothing is held any
         # more; never False where something is.
         self._held_keys = torch.zeros(self.pver.numel(), dtype=torch.bool)
+        self._cpu_xor = (
+            self.code.name == "xor"
+            and self.parity.device.type == "cpu"
+            and self.parity.dtype == torch.float32
+            and self.parity.is_contiguous()
+            and self.pver.is_contiguous()
+        )
 
     def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
         """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
@@ -280,6 +298,13 @@ class ParityParticipant:
     def _key(self, b: DeltaBatch) -> torch.Tensor:
         """One id per (parity record, stripe slot): a member row of this server's stripes."""
         return b.index * self.placement.k + b.slot
+
+    def held_parts(self) -> set[tuple[str, int]]:
+        """(txn, src) of the batches with rows held for a predecessor. A delivered batch is reflected once it is
+        not among them: each of its rows was applied, kept for a rebuild (which replays it), or held — and
+        a held row leaves `held` only when it is applied or dropped (`drop_held`, which names it). Pure Python
+        over the few held batches: a waiting delivery asks this on every wake-up."""
+        return {(h.txn, h.src) for h in self.held}
 
     def unreflected(self, b: DeltaBatch) -> torch.Tensor:
         """Rows of a delivered batch the record does not reflect yet (held for a predecessor): a mask. Rows
@@ -438,6 +463,8 @@ class ParityParticipant:
         arrive out of order — the worker delivers them after the data server committed, and a later update
         of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
         flat = self.pver.view(-1)
+        if self._cpu_xor and self._apply_next_np(b):
+            return True
         key = self._key(b)
         step = b.version - flat.index_select(0, key)  # 1: next; > 1: ahead of a predecessor; < 1: reflected
         done = True
@@ -461,6 +488,26 @@ class ParityParticipant:
             for h in held:
                 self._apply_in_order(h)
         return done
+
+    def _apply_next_np(self, b: DeltaBatch) -> bool:
+        """The usual case of `_apply_in_order` — every row at its next version, the xor code, on the CPU — in
+        numpy on the same memory (each op ~1 µs where torch's dispatch costs 5-10 at a batch's few hundred
+        rows): apply and return True; anything else returns False having changed nothing."""
+        flat = self.pver.numpy().reshape(-1)
+        key = b.index.numpy() * self.placement.k + b.slot.numpy()
+        version = b.version.numpy()
+        if not (version - flat[key] == 1).all():
+            return False
+        bits = self.parity.numpy().view(np.int32)
+        index = b.index.numpy()
+        bits[index] = bits[index] ^ b.delta.numpy().view(np.int32)  # rows of one batch are unique
+        flat[key] = version
+        if self.held and self._held_keys.numpy()[key].any():
+            held, self.held = self.held, []
+            self._held_keys.zero_()  # marked again by what stays held
+            for h in held:
+                self._apply_in_order(h)
+        return True
 
     def _mark_held(self) -> None:
         self._held_keys.zero_()

@@ -92,7 +92,7 @@ class Checkpoints(StoreState):
                 self.parity.reset()  # no parity records without ecrec (r = 0): only their bookkeeping
             self.snapshots.loaded(base, t["modified"])
             self._start_afresh()
-            self.cond.notify_all()
+            self._parity_changed()
         return self.num_rows
 
     def _start_afresh(self) -> None:

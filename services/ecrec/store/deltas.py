@@ -33,7 +33,7 @@ class ParityDeltas(StoreState):
                     src, torch.cat([b.index * k + b.slot for b in self.parity.staged[(txn, src)]])
                 )
             out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)
-            self.cond.notify_all()
+            self._parity_changed()
         fault_point("decide:after_apply")
         return out
 
@@ -55,16 +55,19 @@ class ParityDeltas(StoreState):
             )
         if b.index.numel() == 0:
             return
-        lo, hi = b.index.aminmax()
-        if int(lo) < 0 or int(hi) >= self.parity.parity.shape[0]:
+        # numpy on CPU: the same checks at ~1 µs each instead of torch's 5-10 (every batch of every delivery)
+        cpu = b.index.device.type == "cpu"
+        index, version, slots = (t.numpy() if cpu else t for t in (b.index, b.version, b.slot))
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= self.parity.parity.shape[0]:
             raise InvalidRequest("index: parity indices out of range")
-        if int(b.version.min()) < 1:
+        if int(version.min()) < 1:
             raise InvalidRequest("version: a delta takes its row to version 1 or later")
         # The closed form of placement.stripe_members for one source (a hot path: every delta message):
         # every stripe whose parity this server holds has its member of shard src at the same slot, and that
         # member is a real row (not padding) up to some parity index.
         slot = (b.src - (self.shard - p.k) % n) % n
-        if bool((b.slot != slot).any()):
+        if bool((slots != slot).any()):
             lo, hi = b.slot.aminmax()
             if int(lo) < 0 or int(hi) >= p.k:
                 raise InvalidRequest(f"slot: stripe slots are in [0, {p.k})")
@@ -97,7 +100,7 @@ class ParityDeltas(StoreState):
                     self.parity.apply_now(b)
                 else:
                     self.parity.stage(b, now)
-            self.cond.notify_all()
+            self._parity_changed()
         fault_point("delta:after_stage")
 
     def decide_many(self, decisions: list[tuple[str, int, bool]]) -> list[str]:
@@ -107,7 +110,7 @@ class ParityDeltas(StoreState):
         with self.lock:
             if all(commit and src not in self.acting.cache for _t, src, commit in decisions):
                 out = self.parity.commit_many([(txn, src) for txn, src, _c in decisions])
-                self.cond.notify_all()
+                self._parity_changed()
             else:
                 out = None
         if out is None:

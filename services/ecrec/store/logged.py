@@ -177,20 +177,21 @@ class LoggedUpdates(StoreState):
                         self.accepted.popitem(last=False)
             accepted += again
             held += again
-            self.cond.notify_all()
+            self._parity_changed()
         fault_point("delta:after_stage")
         with self.lock:
             if not wait:
                 return refused
 
             def applied() -> bool:  # every batch applied, or its held rows dropped (settled below)
+                still = self.parity.held_parts()
                 return all(
-                    self._refuses(b) or (b.txn, b.src) in self.refused or not self.parity.unreflected(b).any()
+                    (b.txn, b.src) not in still or self._refuses(b) or (b.txn, b.src) in self.refused
                     for b in held
                 )
 
             try:
-                self._wait(applied, "deltas held for an earlier update of their rows")
+                self._wait(applied, "deltas held for an earlier update of their rows", cond=self.held_cond)
             except Busy:
                 # Normal under load now and then; the same rows every time are the sign of a lost update.
                 log.warning("a delivery waited for its predecessors in vain: %s", self.parity.why_held(held))
@@ -229,4 +230,4 @@ class LoggedUpdates(StoreState):
             self.refused[key] = h.index if prev is None else torch.cat([prev, h.index])
             while len(self.refused) > REFUSED_KEPT:
                 self.refused.popitem(last=False)
-        self.cond.notify_all()
+        self._parity_changed()

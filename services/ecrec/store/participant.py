@@ -188,7 +188,7 @@ class Participant(StoreState):
             if write is not None:
                 self.parity.commit(txn, write.src)
                 self._remember(txn, "committed")
-                self.cond.notify_all()
+                self._parity_changed()
                 return "committed"
             part = self.rows.staged.get(txn)
             if part is None and txn not in self.dense.staged:
@@ -280,5 +280,5 @@ class Participant(StoreState):
         if self.ctx.spec.fault_tolerance.ecrec.two_phase_commit:  # without 2PC deltas are never staged here
             with self.lock:
                 if self.parity.drop_orphans():
-                    self.cond.notify_all()
+                    self._parity_changed()
         return stale

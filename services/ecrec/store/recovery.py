@@ -237,7 +237,7 @@ class Recovery(StoreState):
         finally:
             with self.lock:
                 self.parity_rebuilding[index] = False
-                self.cond.notify_all()
+                self._parity_changed()
         return index.numel()
 
     def copy_dense(self) -> int:
