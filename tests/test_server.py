@@ -233,3 +233,35 @@ def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
         client.close()
         for server in servers:
             server.stop(None)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["owned", "negative", "past the end", "not owned", "repeated", "repeated and not owned", "empty"],
+)
+def test_row_ids_are_checked_the_same_in_numpy_as_in_torch(case):
+    """`local_rows` checks int64 CPU ids in numpy (the hot path of every pull, push and stage) and anything
+    else with torch ops: the same local rows, or the same error, for every kind of request."""
+    ctx = make_ctx(servers__replicas=3)
+    store = ShardStore(ctx, 1)
+    n, rows = ctx.num_servers, ctx.placement.num_rows
+    g = owned_ids(ctx, 1, 8)
+    g = {
+        "owned": g,
+        "negative": torch.cat([g, torch.tensor([-2])]),
+        "past the end": torch.cat([g, torch.tensor([rows + n - 2])]),
+        "not owned": torch.cat([g, torch.tensor([2])]),
+        "repeated": torch.cat([g, g[:1]]),
+        "repeated and not owned": torch.cat([g, g[:1], torch.tensor([0])]),
+        "empty": g[:0],
+    }[case]
+
+    def answer(ids):
+        try:
+            return store.local_rows(ids).to(torch.int64).tolist()
+        except Exception as e:  # noqa: BLE001 - the error is the answer compared
+            return f"{type(e).__name__}: {e}"
+
+    fast, slow = answer(g), answer(g.to(torch.int32))  # int32 ids take the torch path
+    assert fast == slow
+    assert isinstance(fast, list) == (case in ("owned", "empty"))

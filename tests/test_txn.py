@@ -470,3 +470,73 @@ def test_a_parts_delta_batches_are_its_rows_grouped_by_parity_server(case):
         assert torch.equal(b.index, index) and torch.equal(b.slot, slot[pos])
         assert torch.equal(bits(b.delta), bits(delta[pos])) and torch.equal(b.version, version[pos])
         assert b.src == shard and b.txn == "t"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_the_numpy_fast_path_and_the_torch_path_apply_deliveries_to_the_same_state(seed):
+    """Random deliveries of several members' updates, out of order, duplicated and re-delivered: the CPU xor
+    fast path (numpy on the same memory) and the general torch path leave bit-identical records, versions,
+    held rows and answers after every delivery."""
+    gen = torch.Generator().manual_seed(seed)
+    fast, slow = parity_participant(seed=seed % 7), parity_participant(seed=seed % 7)
+    slow._cpu_xor = False
+    assert fast._cpu_xor
+    n = fast.parity.shape[0]
+    # Updates of random rows by the members of server 0's records, each row's versions counting up; delivered
+    # mostly in order, with neighbours swapped (held rows) and some delivered again (skipped rows).
+    batches, versions = [], torch.zeros(n, K, dtype=torch.int64)
+    for i in range(12):
+        slot = int(torch.randint(0, K, (1,), generator=gen))
+        src = (slot + (0 - K) % N) % N  # the data server whose rows are member `slot` of server 0's records
+        index = torch.randperm(n, generator=gen)[: int(torch.randint(1, n + 1, (1,), generator=gen))]
+        versions[index, slot] += 1
+        delta = torch.randn(index.numel(), W, generator=gen)
+        batches.append(
+            DeltaBatch(0, f"t{i}", src, index, torch.full_like(index, slot), delta, versions[index, slot])
+        )
+    order = list(range(len(batches)))
+    for i in range(1, len(order) - 2, 3):  # windows of three reversed now and then: chains of held rows
+        if float(torch.rand(1, generator=gen)) < 0.5:
+            order[i : i + 3] = order[i : i + 3][::-1]
+    order += torch.randint(0, len(batches), (3,), generator=gen).tolist()
+    for j in order:
+        b = batches[j]
+        assert fast.apply(b) == slow.apply(b)
+        assert torch.equal(bits(fast.parity), bits(slow.parity))
+        assert torch.equal(fast.pver, slow.pver)
+        assert held_rows(fast) == held_rows(slow)
+        marks = fast._held_keys.view(-1)  # True wherever a row is held (it may stay True where none is)
+        assert all(bool(marks[k]) for _t, _s, k, _v in held_rows(fast))
+    assert fast.held or not slow.held
+
+
+def test_a_chain_of_held_updates_applies_whole_when_its_first_arrives():
+    """Versions 3 and 2 of a row held, then 1 arrives: 2 applies, and then 3 — in both paths, nothing left."""
+    fast, slow = parity_participant(), parity_participant()
+    slow._cpu_xor = False
+    chain = [batch(f"t{v}", 2, index=[0, 1], slot=[3, 3], version=[v, v], seed=40 + v) for v in (3, 2, 1)]
+    for b in chain:
+        assert fast.apply(b) == slow.apply(b) == (b.txn == "t1")
+    assert fast.held == [] and slow.held == []
+    assert torch.equal(bits(fast.parity), bits(slow.parity)) and fast.pver[0].tolist() == [0, 0, 0, 3]
+
+
+def held_rows(pp: ParityParticipant) -> set[tuple[str, int, int, int]]:
+    """(txn, src, record-member key, version) of every held row."""
+    return {
+        (h.txn, h.src, int(k), int(v))
+        for h in pp.held
+        for k, v in zip((h.index * K + h.slot).tolist(), h.version.tolist(), strict=True)
+    }
+
+
+def test_the_numpy_path_is_the_one_cpu_xor_records_take(monkeypatch):
+    from ecrec.core import ordered_xor
+
+    calls = []
+    real = ordered_xor.apply_in_order
+    monkeypatch.setattr(ordered_xor, "apply_in_order", lambda pp, b: calls.append(b.txn) or real(pp, b))
+    pp = parity_participant()
+    assert pp.apply(batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1])) is True
+    assert calls == ["t1"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ecrec.core import ordered_xor
 from ecrec.core.codes import Code
 from ecrec.core.optim import RowOptimizer
 from ecrec.core.placement import Placement
@@ -462,9 +463,9 @@ class ParityParticipant:
         is applied; one further ahead is held until its predecessor is applied. Decisions for one row can
         arrive out of order — the worker delivers them after the data server committed, and a later update
         of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
+        if self._cpu_xor:
+            return ordered_xor.apply_in_order(self, b)
         flat = self.pver.view(-1)
-        if self._cpu_xor and self._apply_next_np(b):
-            return True
         key = self._key(b)
         step = b.version - flat.index_select(0, key)  # 1: next; > 1: ahead of a predecessor; < 1: reflected
         done = True
@@ -488,26 +489,6 @@ class ParityParticipant:
             for h in held:
                 self._apply_in_order(h)
         return done
-
-    def _apply_next_np(self, b: DeltaBatch) -> bool:
-        """The usual case of `_apply_in_order` — every row at its next version, the xor code, on the CPU — in
-        numpy on the same memory (each op ~1 µs where torch's dispatch costs 5-10 at a batch's few hundred
-        rows): apply and return True; anything else returns False having changed nothing."""
-        flat = self.pver.numpy().reshape(-1)
-        key = b.index.numpy() * self.placement.k + b.slot.numpy()
-        version = b.version.numpy()
-        if not (version - flat[key] == 1).all():
-            return False
-        bits = self.parity.numpy().view(np.int32)
-        index = b.index.numpy()
-        bits[index] = bits[index] ^ b.delta.numpy().view(np.int32)  # rows of one batch are unique
-        flat[key] = version
-        if self.held and self._held_keys.numpy()[key].any():
-            held, self.held = self.held, []
-            self._held_keys.zero_()  # marked again by what stays held
-            for h in held:
-                self._apply_in_order(h)
-        return True
 
     def _mark_held(self) -> None:
         self._held_keys.zero_()
