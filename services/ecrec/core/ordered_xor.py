@@ -112,6 +112,7 @@ def _release_held(pp: ParityParticipant, applied: np.ndarray) -> None:
                 pp.held.append(_subset(h, ahead))
         applied = np.concatenate(now_applied) if now_applied else applied[:0]
     if changed:  # marks of rows no longer held are cleared where it is cheap: after a release
+        pp.releases += 1
         marks = pp._held_keys.numpy()
         marks[:] = False
         for h in pp.held:

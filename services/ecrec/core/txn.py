@@ -252,6 +252,9 @@ class ParityParticipant:
         # batches are many, and each retry costs a few tensor ops). May be True where nothing is held any
         # more; never False where something is.
         self._held_keys = torch.zeros(self.pver.numel(), dtype=torch.bool)
+        # Counts changes that may have taken rows out of `held` (applied or dropped): what a delivery waiting for
+        # its held rows needs to look again (a wake-up on every delivery cost a live server ~9% of its time).
+        self.releases = 0
         self._cpu_xor = (
             self.code.name == "xor"
             and self.parity.device.type == "cpu"
@@ -484,6 +487,7 @@ class ParityParticipant:
             key = key[now]
             flat[key] = b.version[now]
         if self.held and bool(self._held_keys.index_select(0, key).any()):
+            self.releases += 1
             held, self.held = self.held, []
             self._held_keys.zero_()  # marked again by what stays held
             for h in held:
@@ -491,6 +495,7 @@ class ParityParticipant:
         return done
 
     def _mark_held(self) -> None:
+        self.releases += 1  # (after a drop)
         self._held_keys.zero_()
         for h in self.held:
             self._held_keys[self._key(h)] = True
@@ -501,6 +506,7 @@ class ParityParticipant:
         self.pver[index] = versions
         self.ready[index] = True
         self._all_ready = bool(self.ready.all())
+        self.releases += 1  # (kept rows replayed)
         kept, self.pending = self.pending, []
         for b in kept:
             now_ready = self.ready[b.index]
@@ -526,6 +532,7 @@ class ParityParticipant:
         self.resolved.clear()
         self.pending = []
         self.held = []
+        self.releases += 1
         self._held_keys.zero_()
         self.ready.fill_(True)
         self._all_ready = True

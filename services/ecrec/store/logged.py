@@ -153,6 +153,7 @@ class LoggedUpdates(StoreState):
             self.check_deltas(b)
         refused: list[tuple[str, int, torch.Tensor]] = []
         with self.lock:
+            releases = self.parity.releases
             self.deltalog.ack(delivered)
             accepted, again, held = [], [], []  # held: accepted with rows held for a predecessor
             for b in batches:
@@ -177,7 +178,9 @@ class LoggedUpdates(StoreState):
                         self.accepted.popitem(last=False)
             accepted += again
             held += again
-            self._parity_changed()
+            self.cond.notify_all()
+            if self.parity.releases != releases:  # held rows applied: deliveries waiting for them look again
+                self.held_cond.notify_all()
         fault_point("delta:after_stage")
         with self.lock:
             if not wait:
