@@ -348,8 +348,11 @@ class PSClient:
         """Live replicas of a dense chunk, serving ones first."""
         # Without ECRec there is no replica to fall back on: the call to a lost server fails (ServerUnavailable)
         # and the strategy decides what then (docs/protocol.md, "Checkpoint strategies").
-        holders = [h for h in self.ctx.dense_holders(chunk) if not (self.ft and self.failed(h))]
-        return sorted(holders, key=lambda h: self.states.get(h) != "up")
+        holders, states = self.ctx.dense_holders(chunk), self.states
+        if all(states.get(h) == "up" for h in holders):  # the usual case: the map as it is, in order
+            return list(holders)
+        holders = [h for h in holders if not (self.ft and self.failed(h))]
+        return sorted(holders, key=lambda h: states.get(h) != "up")
 
     def push_dense(self, grad: torch.Tensor, txn: str = "") -> Pending:
         ctx, grad = self.ctx, grad.to("cpu", torch.float32)

@@ -94,8 +94,13 @@ class JobContext:
         return chunk_bounds(self.dense_numel, self.num_servers)
 
     def dense_holders(self, chunk: int) -> tuple[int, ...]:
+        return self._dense_holders[chunk]
+
+    @cached_property
+    def _dense_holders(self) -> tuple[tuple[int, ...], ...]:
+        # asked for every chunk of every pull and update: the spec's property chain once, not each time
         replicate = self.ecrec and self.spec.fault_tolerance.ecrec.replicate_dense
-        return dense_replicas(chunk, self.num_servers, replicate)
+        return tuple(dense_replicas(c, self.num_servers, replicate) for c in range(self.num_servers))
 
     def dense_chunks_of(self, shard: int) -> list[int]:
         return [c for c in range(self.num_servers) if shard in self.dense_holders(c)]
