@@ -18,7 +18,7 @@ Lock discipline (every part follows it):
 - `cond` is a condition on `lock`. Whoever changes state a waiter may be waiting for (rows unlocked, a part
   decided, parity or a chunk installed) calls `cond.notify_all()` before releasing the lock; a change on the
   parity side (records, held deltas, refusals) calls `_parity_changed()`, which also wakes `held_cond`, where
-  deliveries wait for their rows' predecessors.
+  deliveries wait for their rows' predecessors (a delivery wakes `held_cond` only if it released held rows).
 - `_wait(ready, ...)` is called with `lock` held, releases it while it sleeps and returns with it held; at
   most MAX_WAITING requests wait at once, and a wait ends with the caller's deadline (`CALLER`).
 - Peers are never called with `lock` held; neither is decoding (it calls peers). Tensors handed out are
@@ -108,8 +108,9 @@ class StoreState:
         self.epoch = 0
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
-        # Deliveries waiting for their rows' predecessors wake only when the parity side changes
-        # (_parity_changed), not on every stage as `cond` does: under hot rows many wait at once.
+        # Deliveries waiting for their rows' predecessors wake only when held rows may have been released
+        # (_parity_changed, or a delivery that applied some: LoggedUpdates.deliver), not on every stage or
+        # delivery as `cond` does: under hot rows many wait at once.
         self.held_cond = threading.Condition(self.lock)
         self.code = make_code(ctx.spec.fault_tolerance.ecrec.code)
         seed = ctx.spec.training.seed
