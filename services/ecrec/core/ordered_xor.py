@@ -43,7 +43,7 @@ def _subset(b: DeltaBatch, mask: np.ndarray) -> DeltaBatch:
     )
 
 
-def _keys(pp: ParityParticipant, b: DeltaBatch) -> np.ndarray:
+def keys(pp: ParityParticipant, b: DeltaBatch) -> np.ndarray:
     return b.index.numpy() * pp.placement.k + b.slot.numpy()
 
 
@@ -63,7 +63,7 @@ def apply_in_order(pp: ParityParticipant, b: DeltaBatch) -> bool:
     """`ParityParticipant._apply_in_order` for the xor code on the CPU: apply the rows that are next, hold
     those further ahead, skip those already reflected; True if none is held."""
     flat = pp.pver.numpy().reshape(-1)
-    key = _keys(pp, b)
+    key = keys(pp, b)
     step = b.version.numpy() - flat[key]  # 1: next; > 1: ahead of a predecessor; < 1: reflected
     now = step == 1
     done = True
@@ -93,7 +93,7 @@ def _release_held(pp: ParityParticipant, applied: np.ndarray) -> None:
         touched[applied] = True
         retry, keep = [], []
         for h in pp.held:
-            hk = _keys(pp, h)
+            hk = keys(pp, h)
             (retry if touched[hk].any() else keep).append((h, hk))
         touched[applied] = False
         if not retry:
@@ -112,8 +112,4 @@ def _release_held(pp: ParityParticipant, applied: np.ndarray) -> None:
                 pp.held.append(_subset(h, ahead))
         applied = np.concatenate(now_applied) if now_applied else applied[:0]
     if changed:  # marks of rows no longer held are cleared where it is cheap: after a release
-        pp.releases += 1
-        marks = pp._held_keys.numpy()
-        marks[:] = False
-        for h in pp.held:
-            marks[_keys(pp, h)] = True
+        pp._mark_held()

@@ -495,7 +495,14 @@ class ParityParticipant:
         return done
 
     def _mark_held(self) -> None:
-        self.releases += 1  # (after a drop)
+        """Mark exactly the keys of the rows held now (after a drop or a release)."""
+        self.releases += 1
+        if self._cpu_xor:  # numpy on the same memory: a boolean scatter per batch is torch's slow path
+            marks = self._held_keys.numpy()
+            marks[:] = False
+            for h in self.held:
+                marks[ordered_xor.keys(self, h)] = True
+            return
         self._held_keys.zero_()
         for h in self.held:
             self._held_keys[self._key(h)] = True
