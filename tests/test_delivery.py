@@ -11,111 +11,17 @@ A's rows were applied twice (params_sha256 off, parity still exact).
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future
-
 import grpc
 import pytest
 import torch
 
-from ecrec.core.update import MapView
 from ecrec.delivery import DeltaLogDriver
-from ecrec.metrics import Metrics
-from ecrec.proto import ecrec_pb2 as pb
-from ecrec.server import delta_batch, delta_message
-from ecrec.wire import bytes_to_floats, bytes_to_ids, ids_to_bytes
 from tests.conftest import make_ctx
-from tests.netsim import WORKER, Net, assert_same_model, logical_model, parity_check
+from tests.netsim import Net, assert_same_model, logical_model, parity_check
+from tests.nettransport import NetTransport, Refusal
 
 N, K = 5, 4
 S = 1  # the data server whose part is caught in the race
-
-
-class Refusal(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class NetTransport:
-    """The part of PSClient the driver uses (updater.Transport), over a Net: this worker's map is a copy that
-    lags behind the Net's until it refreshes; `before_deliver[server]` runs before a DeliverDeltas reaches
-    `server` and may raise an RpcError as its answer."""
-
-    timeout = 5.0
-    progress_timeout = 10.0
-
-    def __init__(self, net: Net):
-        self.net, self.ctx = net, net.ctx
-        self.metrics = Metrics("t", "worker", "0")
-        self.stubs: dict = {}
-        self.before_deliver: dict = {}
-        self.map = net.view()
-        self.degraded_writes = 0
-        self.interrupt = threading.Event()
-
-    @property
-    def epoch(self) -> int:
-        return self.map.epoch
-
-    def refresh(self) -> None:
-        self.map = self.net.view()
-
-    def view(self) -> MapView:
-        return self.map
-
-    def failed(self, shard: int) -> bool:
-        return self.map.failed(shard)
-
-    def degraded(self) -> bool:
-        return bool(self.map.failed_shards)
-
-    def report_failure(self, shard: int) -> None:
-        self.refresh()
-
-    def recover_from(self, shard: int, err: grpc.RpcError) -> None:
-        self.refresh()
-
-    def note_degraded(self, kind: str, shard: int, rows: int) -> None:
-        self.degraded_writes += rows
-
-    def call(self, shard: int, method: str, request) -> Future:
-        fut: Future = Future()
-        try:
-            fut.set_result(getattr(self, method)(shard, request))
-        except grpc.RpcError as e:
-            fut.set_exception(e)
-        return fut
-
-    def Stage(self, shard: int, req) -> pb.StageResponse:
-        g = bytes_to_ids(req.ids)
-        grads = bytes_to_floats(req.grads, g.numel(), self.ctx.dim, "grads").clone()
-        dense = {
-            c: torch.frombuffer(bytearray(buf), dtype=torch.float32)
-            for c, buf in zip(req.dense_chunks, req.dense_grads, strict=True)
-        }
-        n, batches = self.net.call(
-            WORKER, shard, "apply_part", req.txn, g, grads, req.src, dense, req.epoch, list(req.delivered)
-        )
-        return pb.StageResponse(staged=n, deltas=[delta_message(b) for b in batches])
-
-    def DeliverDeltas(self, shard: int, req) -> pb.DeliverResponse:
-        hook = self.before_deliver.pop(shard, None)
-        if hook is not None:
-            hook()
-        store = self.net[shard]
-        if req.epoch < store.epoch:
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {req.epoch}")
-        batches = [delta_batch(b, shard, self.ctx.record_width) for b in req.batches]
-        refused = self.net.call(WORKER, shard, "deliver", batches, True, list(req.delivered))
-        return pb.DeliverResponse(
-            refused=[pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
-        )
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +32,7 @@ def ctx():
         servers__replicas=N,
         faultTolerance__ecrec__k=K,
         faultTolerance__ecrec__commit="deltaLog",
+        faultTolerance__ecrec__deliveries="own",  # riding: tests/test_riding.py
     )
 
 

@@ -164,8 +164,11 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills, commit):
     assert report["samples"] == 4 * 40 * 256
     assert len(report["recoveries"]) == len(kills)
     served = report["rpcs_served"]
-    if not kills and commit == "deltaLog":  # every step stages and delivers: two messages per server
-        assert min(served.get(m, 0) for m in ("Stage", "DeliverDeltas")) >= 4 * 40, served
+    if not kills and commit == "deltaLog":  # every step stages; the deliveries ride on the next stages
+        assert served.get("Stage", 0) >= 5 * 4 * 40, served
+        # DeliverDeltas only to a server a step does not stage at, for a straggler held too long, and when a
+        # worker stops (its last deltas and acknowledgements)
+        assert served.get("DeliverDeltas", 0) < 4 * 40, served
         assert not {"Commit", "StageDeltas", "DecideMany", "Push"} & set(served), served
     if not kills and commit == "rowLocks":  # every step stages, delivers deltas, commits
         assert min(served.get(m, 0) for m in ("Stage", "StageDeltas", "Commit")) >= 4 * 40, served

@@ -319,6 +319,59 @@ def test_delta_log_refuses_malformed_deliveries_and_the_other_commits_messages()
         s.close()
 
 
+def test_deltas_riding_on_a_stage_are_checked_with_it_and_refused_whole():
+    s = Served(commit="deltaLog")
+    try:
+        src, slot, wrong = parity_one_members(s.ctx)
+
+        def batch(src_, slot_, index=0, version=1):
+            return delta_request(s.ctx, src_, slot_, index, version, fill=1.0)
+
+        g = ids_to_bytes(s.ids(1))
+
+        def stage(carried=(), ask=()):
+            return s.stub.Stage(
+                pb.StageRequest(
+                    epoch=s.epoch,
+                    txn="w0-2/1.-1.0",
+                    ids=g,
+                    grads=floats_to_bytes(torch.ones(1, s.ctx.dim)),
+                    src=-1,
+                    carried=list(carried),
+                    ask=list(ask),
+                )
+            )
+
+        before = state_of(s.store)
+        for b, needle in [
+            (batch(wrong, slot), "not parity records"),
+            (batch(src, slot, index=10**6), "out of range"),
+            (batch(src, 7), "slot"),
+            (batch(src, slot, version=0), "version"),
+        ]:
+            # one bad riding batch refuses the stage: neither the good batch nor the stage's rows are applied
+            refused(lambda b=b: stage([batch(src, slot), b]), grpc.StatusCode.INVALID_ARGUMENT, needle)
+        refused(
+            lambda: stage(ask=[pb.PartRef(txn=f"w0-1/{wrong}.-1.0", src=src)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "txn",
+        )
+        refused(
+            lambda: s.stub.DeliverDeltas(
+                pb.StageDeltasRequest(epoch=s.epoch, ask=[pb.PartRef(txn=f"w0-1/{src}.-1.0", src=src)])
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "early",
+        )
+        assert_same(state_of(s.store), before)
+        # Well formed: the riding batch is applied before the stage, and answered at once.
+        resp = stage([batch(src, slot)], ask=[pb.PartRef(txn=f"w0-1/{src}.-1.0", src=src)])
+        assert resp.staged == 1 and list(resp.refused) == [] and list(resp.held) == []
+        assert int(s.store.parity.pver[0, slot]) == 1
+    finally:
+        s.close()
+
+
 def test_out_of_range_shards_and_chunks_are_invalid_argument_not_unknown(served):
     g = ids_to_bytes(served.ids(2))
     for call in [

@@ -10,6 +10,10 @@ all arrived is done; the worker's next stage at its data server says so (`delive
 forgets it. Nothing is locked across the two rounds; a retried part keeps its txn, so its server answers it
 from its log instead of applying it twice.
 
+With faultTolerance.ecrec.deliveries: ride (the default, outside deterministic training and the sum code),
+round (2) is the next step's: the deltas ride on its stages (ecrec.riding), and a step costs two messages per
+server instead of three.
+
 `DeltaLogDriver` has the same face as ecrec.updater.UpdateDriver (`apply`, `flush_decisions`) and drives the
 same `Transport`.
 """
@@ -28,6 +32,7 @@ from ecrec.core.update import Part, StepUpdate
 from ecrec.faults import fault_point
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
+from ecrec.riding import Carried, Rides
 from ecrec.updater import Transport, send_deltas
 from ecrec.wire import bytes_to_ids, floats_to_bytes, ids_to_bytes
 
@@ -69,69 +74,191 @@ class DeltaLogDriver:
     def __init__(self, client: Transport):
         self.client, self.ctx = client, client.ctx
         self.acks = Acks()
+        spec = self.ctx.spec
+        ec = spec.fault_tolerance.ecrec
+        # Riding leaves a member of a stripe ahead of its parity record for a step: the xor code's decodes read
+        # such a member as of the parity's version (ecrec.core.deltalog); the sum code's wait for the delivery.
+        # Deterministic runs write refused rows again in step order, which riding would not.
+        self.ride = ec.deliveries == "ride" and ec.code == "xor" and not spec.training.deterministic
+        self._carried: list[Carried] = []  # updates whose deltas ride on the next stages
+        self._carried_lock = threading.Lock()  # the update thread and a flushing thread take them
 
     def apply(self, step: str, g: torch.Tensor, grads: torch.Tensor, dense_grad: torch.Tensor) -> None:
-        """Apply one step's update; returns when every row and dense chunk is applied exactly once."""
+        """Apply one step's update; returns when every row and dense chunk is applied exactly once — or, riding,
+        applied at its data servers, its deltas carried by this driver until they are applied at parity."""
         ctx = self.ctx
         grads = grads.to("cpu", torch.float32)
         dense_grad = dense_grad.to("cpu", torch.float32)
         holders = [ctx.dense_holders(c) for c in range(ctx.num_servers)]
         update = StepUpdate(step, ctx.placement, g, holders, stable_txns=True)
         retries = Retries(f"update {step}", self.client.progress_timeout, self.client.interrupt)
-        unanswered: list[tuple[Part, list]] = []  # deltas a live parity server has not answered for
-        while True:
-            errors: dict[int, grpc.RpcError] = {}
-            if unanswered:
-                # Asked again before anything else, under the current map: rows it applied are done, rows it
-                # refuses are written again. Written again before it answers, they could be applied twice
-                # (it may have applied them, and their data server may be failed now: a degraded write at
-                # the acting home decodes a record that holds them).
-                unanswered = self._deliver_wave(unanswered, g, update, retries, errors, again=True)
-            parts = update.plan(self.client.view())
-            if not parts and not unanswered:
-                return
-            futs = []
-            for part in parts:
-                acks = self.acks.take(part.target)
-                futs.append((part, acks, self._send_stage(part, g, grads, dense_grad, acks)))
-            unreachable: set[int] = set()
-            # Deliver in waves: what has answered within STAGE_WAVE goes out together, the rest as each
-            # answers. A stage can wait for stripes to be decodable (a replacement rebuilding its rows on
-            # demand, a degraded write), and this worker's own applied parts, until delivered, are exactly
-            # what keeps them from being so.
-            waiting = futs
-            first = True
-            while waiting:
-                done, _ = futures.wait(
-                    [f for _p, _a, f in waiting],
-                    timeout=STAGE_WAVE if first else None,
-                    return_when=futures.ALL_COMPLETED if first else futures.FIRST_COMPLETED,
-                )
-                first = False
-                ready = [w for w in waiting if w[2] in done]
-                waiting = [w for w in waiting if w[2] not in done]
-                staged = self._staged(ready, update, retries, errors, unreachable)
-                if staged:
-                    unanswered += self._deliver_wave(staged, g, update, retries, errors)
-            fault_point("worker:after_deliver")
-            # Only now: the coordinator's probe of an unreachable server takes a while, and until the
-            # deltas above arrive, their stripes cannot be decoded by anyone (degraded reads, rebuilds).
-            for server in sorted(unreachable):
-                self.client.report_failure(server)
-            for server, e in errors.items():
-                self.client.recover_from(server, e)
-            if not unanswered and update.finished(self.client.view()):
-                return
-            retries.check()
-            time.sleep(retries.backoff())
+        carried = self._take_carried()
+        if not self._riding():
+            self._finish(carried)
+            self._run(update, g, grads, dense_grad, retries)
+            return
+        rides = Rides(carried, self.client.failed)
+        try:
+            staged = self._run(update, g, grads, dense_grad, retries, rides)
+        except BaseException:
+            for c in carried:  # for a flush (a rollback drops them with this driver)
+                if c.fresh or c.held:
+                    self._keep(c)
+            raise
+        if staged:
+            kept = Carried(update, g, grads, dense_grad, staged)
+            if self._riding():
+                self._keep(kept)
+            else:  # the map turned degraded meanwhile: deliver now
+                self._finish([kept])
+
+    def _riding(self) -> bool:
+        """Do deliveries ride now? Not while a shard is failed or recovering: degraded reads, rebuilds and
+        degraded writes need every stripe's parity up to date, and deliver at once."""
+        return self.ride and not self.client.degraded()
+
+    def _take_carried(self) -> list[Carried]:
+        with self._carried_lock:
+            out, self._carried = self._carried, []
+        return out
+
+    def _keep(self, c: Carried) -> None:
+        with self._carried_lock:
+            self._carried.append(c)
+
+    def _settle(self, rides: Rides) -> None:
+        """Take what the answers to `rides` say (every one answered or lost): parts applied are acknowledged on the
+        next stage, held ones ride again; anything unusual is delivered at once, before this step's update
+        goes on, so an earlier step's rows written again precede this step's retries."""
+        for settled in rides.settle(self.ctx.placement):
+            for part in settled.done:
+                self.acks.add(part.target, part.txn)
+            if settled.refused:
+                self.client.refresh()  # a data server is failed or replaced: plan with the new map
+            if settled.needs_finish or not self._riding():
+                self._finish([settled.carried], settled.trouble)
+            elif settled.carried.held:
+                self._keep(settled.carried)
+
+    def _finish(self, carried: list[Carried], trouble: list = ()) -> None:
+        """Deliver what is left of carried updates as without riding: asked again, answered once applied, refused
+        rows written again."""
+        for c in carried:
+            retries = Retries(f"update {c.update.step}", self.client.progress_timeout, self.client.interrupt)
+            unanswered = list(trouble) + c.unanswered()
+            c.fresh, c.held = [], []
+            self._run(c.update, c.g, c.grads, c.dense_grad, retries, unanswered=unanswered)
+
+    def _run(
+        self,
+        update: StepUpdate,
+        g: torch.Tensor,
+        grads: torch.Tensor,
+        dense_grad: torch.Tensor,
+        retries: Retries,
+        rides: Rides | None = None,
+        unanswered: list[tuple[Part, list]] = (),
+    ) -> list[tuple[Part, list]] | None:
+        """Passes until every row of `update` is applied. With `rides` (its first pass carries them): if every
+        part staged at once, returns the staged (part, deltas) for the next step's stages to carry instead of
+        delivering them; every server in `rides` has answered or failed by then."""
+        unanswered = list(unanswered)  # deltas a live parity server has not answered for
+        alone: list = []
+        try:
+            while True:
+                errors: dict[int, grpc.RpcError] = {}
+                if unanswered:
+                    # Asked again before anything else, under the current map: rows it applied are done, rows it
+                    # refuses are written again. Written again before it answers, they could be applied twice
+                    # (it may have applied them, and their data server may be failed now: a degraded write at
+                    # the acting home decodes a record that holds them).
+                    unanswered = self._deliver_wave(unanswered, g, update, retries, errors, again=True)
+                parts = update.plan(self.client.view())
+                if not parts and not unanswered and rides is None:
+                    return None
+                futs = []
+                riding: set[int] = set()
+                for part in parts:
+                    acks = self.acks.take(part.target)
+                    carried, asks = [], []
+                    if rides is not None and part.target not in riding:
+                        riding.add(part.target)
+                        carried, asks = rides.fields(part.target)
+                    fut = self._send_stage(part, g, grads, dense_grad, acks, carried, asks)
+                    futs.append((part, acks, rides if carried or asks else None, fut))
+                if rides is not None:  # what rides to servers this step does not stage at goes on its own
+                    alone = self._deliver_alone(rides, set(rides.servers()) - riding)
+                unreachable: set[int] = set()
+                # Deliver in waves: what has answered within STAGE_WAVE goes out together, the rest as each
+                # answers. A stage can wait for stripes to be decodable (a replacement rebuilding its rows on
+                # demand, a degraded write), and this worker's own applied parts, until delivered, are exactly
+                # what keeps them from being so.
+                waiting = futs
+                first, carry = True, None
+                while waiting:
+                    done, _ = futures.wait(
+                        [w[-1] for w in waiting],
+                        timeout=STAGE_WAVE if first else None,
+                        return_when=futures.ALL_COMPLETED if first else futures.FIRST_COMPLETED,
+                    )
+                    ready = [w for w in waiting if w[-1] in done]
+                    waiting = [w for w in waiting if w[-1] not in done]
+                    staged = self._staged(ready, update, retries, errors, unreachable)
+                    if first and rides is not None and not waiting and not errors and not unreachable:
+                        carry = staged  # every part staged at once: its deltas ride on the next step
+                    elif staged:
+                        unanswered += self._deliver_wave(staged, g, update, retries, errors)
+                    first = False
+                if rides is not None:
+                    self._await_alone(rides, alone)
+                    alone, settle, rides = [], rides, None
+                    self._settle(settle)
+                # (riding: the earlier steps' deltas are delivered by now, and this step's staged)
+                fault_point("worker:after_deliver")
+                if carry is not None and not unanswered:
+                    return carry
+                if carry:
+                    unanswered += self._deliver_wave(carry, g, update, retries, errors)
+                # Only now: the coordinator's probe of an unreachable server takes a while, and until the
+                # deltas above arrive, their stripes cannot be decoded by anyone (degraded reads, rebuilds).
+                for server in sorted(unreachable):
+                    self.client.report_failure(server)
+                for server, e in errors.items():
+                    self.client.recover_from(server, e)
+                if not unanswered and update.finished(self.client.view()):
+                    return None
+                retries.check()
+                time.sleep(retries.backoff())
+        finally:
+            if rides is not None:  # (an error before every ride was answered: what is unknown is asked again)
+                self._await_alone(rides, alone)
+
+    def _deliver_alone(self, rides: Rides, servers: set[int]) -> list:
+        out = []
+        for server in sorted(servers):
+            batches, asks = rides.fields(server)
+            req = pb.StageDeltasRequest(epoch=self.client.epoch, batches=batches, ask=asks, early=True)
+            out.append((server, self.client.call(server, "DeliverDeltas", req)))
+        return out
+
+    def _await_alone(self, rides: Rides, alone: list) -> None:
+        for server, fut in alone:
+            try:
+                rides.answered(server, fut.result())
+            except grpc.RpcError as e:
+                rides.lost(server)
+                if e.code() in UNREACHABLE:
+                    self.client.report_failure(server)
 
     def _staged(self, answered, update: StepUpdate, retries: Retries, errors: dict, unreachable: set) -> list:
         """Take the stages' answers: degraded writes are done; own parts' deltas are returned to deliver."""
         staged: list[tuple[Part, list]] = []
-        for part, acks, fut in answered:
+        for part, acks, rides, fut in answered:
             try:
                 resp = fut.result()
             except grpc.RpcError as e:
+                if rides is not None:
+                    rides.lost(part.target)
                 if not self.client.failed(part.target):
                     self.acks.put_back(part.target, acks)  # a dead server's log died with it
                 retries.note(part.target, "Stage", e)
@@ -142,6 +269,8 @@ class DeltaLogDriver:
                 else:
                     errors[part.target] = e
                 continue
+            if rides is not None:
+                rides.answered(part.target, resp)
             if part.src >= 0:  # a degraded write: applied at its acting home, parity included
                 update.committed(part)
                 retries.progress()
@@ -198,9 +327,11 @@ class DeltaLogDriver:
         return unanswered
 
     def flush_decisions(self) -> None:
-        """Send the acknowledgements no stage will carry (the worker stops, or the map changed) on their own.
-        Best effort: one that never arrives only makes the data server forward the deltas itself after
+        """Deliver the deltas riding on the next step now, and send the acknowledgements no stage will carry (the
+        worker stops or pauses, or the map turned degraded: any thread may call this). The acknowledgements are
+        best effort: one that never arrives only makes the data server forward the deltas itself after
         txnTimeout, and the parity servers skip what they already hold."""
+        self._finish(self._take_carried())
         calls = []
         for server, txns in self.acks.take_all().items():
             if txns and not self.client.failed(server):
@@ -212,7 +343,9 @@ class DeltaLogDriver:
             except grpc.RpcError:
                 pass  # see above
 
-    def _send_stage(self, part: Part, g, grads, dense_grad, acks: list[str]) -> Future:
+    def _send_stage(
+        self, part: Part, g, grads, dense_grad, acks: list[str], carried: list = (), asks: list = ()
+    ) -> Future:
         ctx = self.ctx
         rows = floats_to_bytes(grads[part.pos])
         self.client.metrics.of(self.client.metrics.bytes_sent, kind="push").inc(len(rows))
@@ -225,6 +358,8 @@ class DeltaLogDriver:
             dense_chunks=part.dense,
             dense_grads=[floats_to_bytes(dense_grad[slice(*ctx.dense_bounds[c])]) for c in part.dense],
             delivered=acks,
+            carried=carried,
+            ask=asks,
         )
         return self.client.call(part.target, "Stage", req)
 

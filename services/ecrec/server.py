@@ -453,16 +453,20 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
+        early: tuple[list, list] = ([], [])
         if self.store.logged:  # commit: deltaLog — applied now; the deltas are the worker's to deliver
             if request.decisions:
                 raise InvalidRequest("decisions: commit decisions belong to commit: rowLocks")
             delivered = [self._own_txn(t, -1) for t in request.delivered]
+            carried, asked = self._carried(request.carried), self._asked(request.ask)  # all checked first
+            if carried or asked:  # the worker's earlier deliveries to this server as a parity server
+                early = self.store.deliver_early(carried, asked)
             staged = Staged(
                 *self.store.apply_part(request.txn, g, grads, request.src, dense, request.epoch, delivered)
             )
         else:
-            if request.delivered:
-                raise InvalidRequest("delivered: deliveries are acknowledged under commit: deltaLog only")
+            if request.delivered or request.carried or request.ask:
+                raise InvalidRequest("delivered, carried, ask: deliveries belong to commit: deltaLog only")
             decisions = self._decisions(request.decisions)
             staged = self.store.stage(
                 request.txn, g, grads, request.src, dense, request.epoch, decisions, request.lone
@@ -470,7 +474,12 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
         if request.src != -1:  # rows of failed shard src, written at this acting home
             self.metrics.of(self.metrics.degraded_writes, shard=str(request.src)).inc(staged.rows)
-        return pb.StageResponse(staged=staged.rows, deltas=[delta_message(b) for b in staged.batches])
+        return pb.StageResponse(
+            staged=staged.rows,
+            deltas=[delta_message(b) for b in staged.batches],
+            refused=refused_rows(early[0]),
+            held=[pb.PartRef(txn=t, src=s) for t, s in early[1]],
+        )
 
     @rpc("Commit", check_epoch=False)
     def Commit(self, request, context):
@@ -509,16 +518,30 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     def DeliverDeltas(self, request, context):
         if not self.store.logged:
             raise WrongState("DeliverDeltas is part of commit: deltaLog, which this job does not run")
-        for b in request.batches:
-            self._decision(b.txn, b.src)  # a part of data server src's own rows
-        batches = [self._batch(b) for b in request.batches]  # all validated before any is applied
+        batches = self._carried(request.batches)  # all validated before any is applied
         delivered = [self._own_txn(t, -1) for t in request.delivered]
-        refused = self.store.deliver(batches, delivered=delivered)
+        asked = self._asked(request.ask)
+        if request.early:
+            refused, held = self.store.deliver_early(batches, asked, delivered)
+        elif asked:
+            raise InvalidRequest("ask: parts are asked about with early deliveries only")
+        else:
+            refused, held = self.store.deliver(batches, delivered=delivered), []
+        return pb.DeliverResponse(
+            refused=refused_rows(refused), held=[pb.PartRef(txn=t, src=s) for t, s in held]
+        )
+
+    def _carried(self, messages) -> list[DeltaBatch]:
+        """Deltas a worker delivers to this server (DeliverDeltas, or riding on a stage), validated."""
+        for b in messages:
+            self._decision(b.txn, b.src)  # a part of data server src's own rows
+        batches = [self._batch(b) for b in messages]
         m = self.metrics
         m.of(m.rows, kind="delta").inc(sum(b.index.numel() for b in batches))
-        return pb.DeliverResponse(
-            refused=[pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
-        )
+        return batches
+
+    def _asked(self, refs) -> list[tuple[str, int]]:
+        return [self._decision(r.txn, r.src) for r in refs]
 
     @rpc("StageDeltas")
     def StageDeltas(self, request, context):
@@ -805,3 +828,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def refused_rows(refused: list[tuple[str, int, torch.Tensor]]) -> list:
+    """(txn, src, parity indices) of rows a parity server did not apply, as RefusedRows messages."""
+    return [pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]

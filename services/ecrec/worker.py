@@ -558,6 +558,7 @@ def run_worker(
                 break
             _settle(in_flight)
             in_flight = None
+            client.flush_decisions()  # the last step's deltas (riding) and acks: nothing of it waits for a next step
             if (jump := holds.wait_finished()) is None:
                 break
             step = jump

@@ -256,6 +256,13 @@ class EcrecSpec(_Section):
         "parity servers (it forwards them itself if the worker dies), so no row is locked across a round trip. "
         "rowLocks: the paper's worker-coordinated two-phase commit, rows locked from stage to commit",
     )
+    deliveries: Literal["ride", "own"] = Field(
+        default="ride",
+        description="commit: deltaLog: how a step's deltas reach their parity servers. ride: with the worker's "
+        "next stage at each server (one message per server and step fewer; the parity server answers at once "
+        "and is asked about rows it held for another worker's earlier update on the stage after). own: in a "
+        "message of their own, answered once applied. The sum code and deterministic training always use own",
+    )
     replicate_dense: bool = Field(
         default=True,
         description="Keep two replicas of every dense-parameter (MLP) chunk on different servers, so a failed "

@@ -149,6 +149,42 @@ class LoggedUpdates(StoreState):
         worker may count them done: a row held for an earlier update waits for it (another worker delivers
         it, or its data server forwards it). Returns (txn, src, parity indices) of rows refused: their data
         server's incarnation is failed or replaced here, and their worker must write them again."""
+        refused, accepted, held = self._accept(batches, delivered)
+        with self.lock:
+            if not wait:
+                return refused
+            try:
+                self._wait(
+                    lambda: not self._still_held(held),
+                    "deltas held for an earlier update of their rows",
+                    cond=self.held_cond,
+                )
+            except Busy:
+                # Normal under load now and then; the same rows every time are the sign of a lost update.
+                log.warning("a delivery waited for its predecessors in vain: %s", self.parity.why_held(held))
+                raise
+            return refused + self._dropped([(b.txn, b.src) for b in accepted])
+
+    def deliver_early(
+        self, batches: list[DeltaBatch], asked: list[tuple[str, int]] = (), delivered: list[str] = ()
+    ) -> tuple[list[tuple[str, int, torch.Tensor]], list[tuple[str, int]]]:
+        """`deliver` without the wait (deliveries riding on the worker's next stage, which must not stall on
+        another worker's step): rows held for a predecessor stay held, and their parts are named. `asked`:
+        parts named so before — still held, or their held rows applied or dropped since? Returns the refused
+        rows (as `deliver`) and the (txn, src) parts still held; every other row of the batches and of
+        `asked` is applied."""
+        refused, accepted, _held = self._accept(batches, delivered)
+        with self.lock:
+            parts = list(dict.fromkeys([(b.txn, b.src) for b in accepted] + list(asked)))
+            for src in {s for _t, s in asked}:
+                self._settle_src(src)
+            still = self.parity.held_parts()
+            held = [k for k in parts if k in still]
+            return refused + self._dropped([k for k in parts if k not in still]), held
+
+    def _accept(self, batches: list[DeltaBatch], delivered: list[str]) -> tuple[list, list, list]:
+        """Apply what can be applied of `batches` now: (refused rows, accepted batches, accepted batches with
+        rows held for a predecessor)."""
         for b in batches:
             self.check_deltas(b)
         refused: list[tuple[str, int, torch.Tensor]] = []
@@ -182,29 +218,26 @@ class LoggedUpdates(StoreState):
             if self.parity.releases != releases:  # held rows applied: deliveries waiting for them look again
                 self.held_cond.notify_all()
         fault_point("delta:after_stage")
-        with self.lock:
-            if not wait:
-                return refused
+        return refused, accepted, held
 
-            def applied() -> bool:  # every batch applied, or its held rows dropped (settled below)
-                still = self.parity.held_parts()
-                return all(
-                    (b.txn, b.src) not in still or self._refuses(b) or (b.txn, b.src) in self.refused
-                    for b in held
-                )
+    def _still_held(self, held: list[DeltaBatch]) -> bool:
+        """Is a batch of `held` neither applied nor dropped (settled by `_dropped`)? (Needs `lock`.)"""
+        still = self.parity.held_parts()
+        return any(
+            (b.txn, b.src) in still and not self._refuses(b) and (b.txn, b.src) not in self.refused
+            for b in held
+        )
 
-            try:
-                self._wait(applied, "deltas held for an earlier update of their rows", cond=self.held_cond)
-            except Busy:
-                # Normal under load now and then; the same rows every time are the sign of a lost update.
-                log.warning("a delivery waited for its predecessors in vain: %s", self.parity.why_held(held))
-                raise
-            for b in accepted:
-                self._settle_src(b.src)
-                rows = self.refused.get((b.txn, b.src))
-                if rows is not None and rows.numel():
-                    refused.append((b.txn, b.src, rows))
-        return refused
+    def _dropped(self, parts: list[tuple[str, int]]) -> list[tuple[str, int, torch.Tensor]]:
+        """The rows of accepted `parts` dropped while held (their data server failed), for their deliverer.
+        (Needs `lock`.)"""
+        out = []
+        for txn, src in parts:
+            self._settle_src(src)
+            rows = self.refused.get((txn, src))
+            if rows is not None and rows.numel():
+                out.append((txn, src, rows))
+        return out
 
     def _incarnation(self, shard: int) -> int:
         key = getattr(self.peers, "failure_key", None)
