@@ -110,7 +110,7 @@ class Rides:
 
     def settle(self, placement: Placement) -> list[Settled]:
         """Mark each carried update's rows by the answers (every server in `servers()` answered or lost)."""
-        by_part: dict[int, list[tuple[Any, bool]]] = {}
+        by_part: dict[int, list] = {}  # id(part) -> its deltas that rode
         for entries in self._entries.values():
             for _c, part, d, _fresh in entries:
                 by_part.setdefault(id(part), []).append(d)
