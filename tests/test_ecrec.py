@@ -170,6 +170,11 @@ def test_four_workers_on_hot_rows_keep_parity_exact(tmp_path, kills, commit):
         # worker stops (its last deltas and acknowledgements)
         assert served.get("DeliverDeltas", 0) < 4 * 40, served
         assert not {"Commit", "StageDeltas", "DecideMany", "Push"} & set(served), served
+        # every part's deltas reach its k parity servers (one batch each, fewer for parts missing a slot)
+        batches = report["delta_batches"]
+        assert (
+            4 * 40 <= batches["delivered"] <= 4 * 40 * 5 * 4 and 0 <= batches["held"] <= batches["delivered"]
+        )
     if not kills and commit == "rowLocks":  # every step stages, delivers deltas, commits
         assert min(served.get(m, 0) for m in ("Stage", "StageDeltas", "Commit")) >= 4 * 40, served
         # Decisions ride on the next stage at the same server; they go alone (DecideMany) only to servers a

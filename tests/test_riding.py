@@ -90,6 +90,8 @@ def test_a_part_held_for_another_workers_update_is_asked_about_on_the_next_stage
     apply(b, "w1-1", 2)  # version 2, carried by b
     apply(b, "w1-2", 3)  # b's version 2 reaches the parity servers before a's version 1: held there
     assert any(c.held for c in b._carried), "b's first update was not held"
+    held = sum(net[s].stats["deltas_held"] for s in net.live())  # the servers count it (a metric)
+    assert 0 < held <= sum(net[s].stats["deltas_delivered"] for s in net.live())
     apply(a, "w0-2", 4)  # a's version 1 arrives: b's held rows apply
     apply(b, "w1-3", 5)  # b asks: applied
     assert not any(c.held for c in b._carried[:-1])

@@ -524,6 +524,13 @@ def run_local(
         extra["stripes_read_again"] = sum(  # one series per server (label shard)
             _sum_over_servers(scraped, "ecrec_server_stripes_read_again", "_total", "shard").values()
         )
+        extra["delta_batches"] = {  # deltaLog: how many deliveries came ahead of their predecessor
+            kind: sum(_sum_over_servers(scraped, family, "_total", "shard").values())
+            for kind, family in (
+                ("delivered", "ecrec_server_delta_batches"),
+                ("held", "ecrec_server_delta_batches_held"),
+            )
+        }
         client = PSClient(ctx, cluster.coordinator.cluster())
         try:  # evaluation, the digest, the parity check (posted for the coordinator's /metrics), ...
             found = finalchecks.check(client, coordinator=cluster.coordinator, report=True)

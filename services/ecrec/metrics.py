@@ -351,6 +351,16 @@ class StoreCollector:
             "ecrec_server_stripes_read_again",
             "Stripes a decode read again: their members and parity record were not a consistent cut",
         ),
+        (
+            "deltas_delivered",
+            "ecrec_server_delta_batches",
+            "commit: deltaLog: delta batches this parity server accepted (one per part and parity server)",
+        ),
+        (
+            "deltas_held",
+            "ecrec_server_delta_batches_held",
+            "Of ecrec_server_delta_batches, those with rows that came ahead of a predecessor and were held for it",
+        ),
     )
 
     def __init__(self, store, labels: dict[str, str]):

@@ -212,6 +212,8 @@ class LoggedUpdates(StoreState):
                     self.accepted[key] = None
                     if len(self.accepted) > ACCEPTED_KEPT:
                         self.accepted.popitem(last=False)
+            self.stats["deltas_delivered"] += len(accepted)
+            self.stats["deltas_held"] += len(held)
             accepted += again
             held += again
             self.cond.notify_all()

@@ -189,6 +189,8 @@ class StoreState:
             "expired_worker_gone": 0,
             "expired_timeout": 0,
             "stripes_read_again": 0,
+            "deltas_delivered": 0,  # deltaLog: delta batches accepted as a parity server (first deliveries)
+            "deltas_held": 0,  # ... of them with rows that came ahead of a predecessor and were held
         }
         # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
         self.fence = WorkerFence()
