@@ -138,3 +138,13 @@ class NetTransport:
         return pb.DeliverResponse(
             refused=refused_rows(refused), held=[pb.PartRef(txn=t, src=s) for t, s in held]
         )
+
+
+def rows_and_grads(ctx, seed: int, shard: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 rows of `shard` over every stripe slot (so over k parity servers), and their gradients."""
+    g = ctx.placement.global_id(shard, torch.arange(12) * 3)
+    return g, torch.randn(g.numel(), ctx.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def dense_grad(ctx) -> torch.Tensor:
+    return torch.full((ctx.dense_bounds[-1][1],), 0.01)

@@ -12,7 +12,7 @@ from ecrec.delivery import DeltaLogDriver
 from ecrec.riding import MAX_RIDES
 from tests.conftest import make_ctx
 from tests.netsim import Net, assert_same_model, logical_model, parity_check
-from tests.nettransport import NetTransport
+from tests.nettransport import NetTransport, dense_grad, rows_and_grads
 
 N, K = 5, 4
 S = 1  # the data server of the rows every step updates
@@ -34,16 +34,6 @@ def job(optimizer: str = "adagrad", deliveries: str = "ride"):
 @pytest.fixture(scope="module")
 def ctx():
     return job()
-
-
-def rows_and_grads(ctx, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """12 rows of shard S over every stripe slot (so over k parity servers), and their gradients."""
-    g = ctx.placement.global_id(S, torch.arange(12) * 3)
-    return g, torch.randn(g.numel(), ctx.dim, generator=torch.Generator().manual_seed(seed))
-
-
-def dense_grad(ctx) -> torch.Tensor:
-    return torch.full((ctx.dense_bounds[-1][1],), 0.01)
 
 
 def in_order(ctx, steps) -> Net:

@@ -228,6 +228,16 @@ def parity_one_members(ctx) -> tuple[int, int, int]:
     return src, 0, next(s for s in range(N) if s != 1 and s != src)
 
 
+def malformed(batch, src: int, slot: int, wrong: int) -> list[tuple[object, str]]:
+    """Delta batches a parity server must refuse, each with a word of the reason it gives."""
+    return [
+        (batch(wrong, slot), "not parity records"),
+        (batch(src, slot, index=10**6), "out of range"),
+        (batch(src, 7), "slot"),
+        (batch(src, slot, version=0), "version"),
+    ]
+
+
 def delta_request(ctx, src: int, slot: int, index: int = 0, version: int = 1, fill: float = 0.0):
     """One row's delta of shard src for parity server 1."""
     return pb.DeltaRequest(
@@ -248,12 +258,7 @@ def test_deltas_only_from_shards_whose_parity_this_server_holds(served):
         return delta_request(served.ctx, src_, slot_, index, version)
 
     before = state_of(served.store)
-    for b, needle in [
-        (batch(wrong, slot), "not parity records"),
-        (batch(src, slot, index=10**6), "out of range"),
-        (batch(src, 7), "slot"),
-        (batch(src, slot, version=0), "version"),
-    ]:
+    for b, needle in malformed(batch, src, slot, wrong):
         refused(
             lambda b=b: served.stub.StageDeltas(pb.StageDeltasRequest(epoch=served.epoch, batches=[b])),
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -288,12 +293,7 @@ def test_delta_log_refuses_malformed_deliveries_and_the_other_commits_messages()
             )
 
         before = state_of(s.store)
-        for b, needle in [
-            (batch(wrong, slot), "not parity records"),
-            (batch(src, slot, index=10**6), "out of range"),
-            (batch(src, 7), "slot"),
-            (batch(src, slot, version=0), "version"),
-        ]:
+        for b, needle in malformed(batch, src, slot, wrong):
             # one bad batch refuses the whole message: the good one beside it is not applied either
             refused(lambda b=b: deliver(batch(src, slot), b), grpc.StatusCode.INVALID_ARGUMENT, needle)
         refused(lambda: deliver(delivered=[f"w0-1/{wrong}.-1.0"]), grpc.StatusCode.INVALID_ARGUMENT, "txn")
@@ -343,12 +343,7 @@ def test_deltas_riding_on_a_stage_are_checked_with_it_and_refused_whole():
             )
 
         before = state_of(s.store)
-        for b, needle in [
-            (batch(wrong, slot), "not parity records"),
-            (batch(src, slot, index=10**6), "out of range"),
-            (batch(src, 7), "slot"),
-            (batch(src, slot, version=0), "version"),
-        ]:
+        for b, needle in malformed(batch, src, slot, wrong):
             # one bad riding batch refuses the stage: neither the good batch nor the stage's rows are applied
             refused(lambda b=b: stage([batch(src, slot), b]), grpc.StatusCode.INVALID_ARGUMENT, needle)
         refused(
