@@ -231,6 +231,11 @@ def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> Del
     )
 
 
+def refused_rows(refused: list[tuple[str, int, torch.Tensor]]) -> list:
+    """(txn, src, parity indices) of rows a parity server did not apply, as RefusedRows messages."""
+    return [pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
+
+
 _logged_once: set[tuple[str, str]] = set()
 
 
@@ -828,8 +833,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def refused_rows(refused: list[tuple[str, int, torch.Tensor]]) -> list:
-    """(txn, src, parity indices) of rows a parity server did not apply, as RefusedRows messages."""
-    return [pb.RefusedRows(txn=t, src=s, index=ids_to_bytes(i)) for t, s, i in refused]
