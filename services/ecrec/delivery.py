@@ -102,7 +102,7 @@ class DeltaLogDriver:
             staged = self._run(update, g, grads, dense_grad, retries, rides)
         except BaseException:
             for c in carried:  # for a flush (a rollback drops them with this driver)
-                if c.fresh or c.held:
+                if c.unanswered():
                     self._keep(c)
             raise
         if staged:
@@ -136,17 +136,17 @@ class DeltaLogDriver:
             if settled.refused:
                 self.client.refresh()  # a data server is failed or replaced: plan with the new map
             if settled.needs_finish or not self._riding():
-                self._finish([settled.carried], settled.trouble)
+                self._finish([settled.carried])
             elif settled.carried.held:
                 self._keep(settled.carried)
 
-    def _finish(self, carried: list[Carried], trouble: list = ()) -> None:
+    def _finish(self, carried: list[Carried]) -> None:
         """Deliver what is left of carried updates as without riding: asked again, answered once applied, refused
         rows written again."""
         for c in carried:
             retries = Retries(f"update {c.update.step}", self.client.progress_timeout, self.client.interrupt)
-            unanswered = list(trouble) + c.unanswered()
-            c.fresh, c.held = [], []
+            unanswered = c.unanswered()
+            c.fresh, c.held, c.lost = [], [], []
             self._run(c.update, c.g, c.grads, c.dense_grad, retries, unanswered=unanswered)
 
     def _run(

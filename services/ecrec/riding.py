@@ -43,6 +43,7 @@ class Carried:
     dense_grad: torch.Tensor
     fresh: list[tuple[Part, list]]  # (part, deltas) not delivered yet
     held: list[tuple[Part, Any]] = field(default_factory=list)  # (part, delta) held at delta.parity_server
+    lost: list[tuple[Part, list]] = field(default_factory=list)  # (part, deltas) whose message failed
     rides: int = 0  # applies it has ridden on
 
     def __post_init__(self) -> None:
@@ -51,7 +52,7 @@ class Carried:
 
     def unanswered(self) -> list[tuple[Part, list]]:
         """Everything not known applied, as (part, deltas) to deliver again and wait for."""
-        return list(self.fresh) + [(part, [d]) for part, d in self.held]
+        return list(self.lost) + list(self.fresh) + [(part, [d]) for part, d in self.held]
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Rides:
             parts = [part for part, _ in c.fresh] + [part for part, _ in c.held]
             for part in {id(part): part for part in parts}.values():  # (once, if held at two servers)
                 self._settle_part(c, part, by_part.get(id(part), []), placement, settled, held)
-            c.fresh, c.held = [], held
+            c.fresh, c.held, c.lost = [], held, list(settled.trouble)
             out.append(settled)
         return out
 
