@@ -40,11 +40,15 @@ def _subset(b: DeltaBatch, mask: np.ndarray) -> DeltaBatch:
         delta=b.delta.index_select(0, torch.from_numpy(rows)),
         version=torch.from_numpy(b.version.numpy()[rows]),
         incarnation=b.incarnation,
+        keys=None if b.keys is None else b.keys[rows],
     )
 
 
 def keys(pp: ParityParticipant, b: DeltaBatch) -> np.ndarray:
-    return b.index.numpy() * pp.placement.k + b.slot.numpy()
+    """The (record, member) keys of the batch's rows, computed once per batch."""
+    if b.keys is None:
+        b.keys = b.index.numpy() * pp.placement.k + b.slot.numpy()
+    return b.keys
 
 
 def _apply_rows(pp: ParityParticipant, b: DeltaBatch, key: np.ndarray, rows: np.ndarray | None) -> np.ndarray:

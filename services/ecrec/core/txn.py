@@ -53,6 +53,9 @@ class DeltaBatch:
     delta: torch.Tensor  # [n, W]
     version: torch.Tensor  # the rows' versions once committed [n]
     incarnation: int = 0  # commit: deltaLog: the incarnation of src that applied the rows (0: not said)
+    # The rows' (record, member) keys at a parity server, kept by its CPU path for the batches it holds: a held
+    # batch is looked at again on every release, its keys never change.
+    keys: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 class RowLocks:
