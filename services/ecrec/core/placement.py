@@ -80,6 +80,19 @@ class Placement:
         (the last may be all padding on some servers), so every stripe with a real row has its record."""
         return self._blocks() if self.r else 0
 
+    def parity_index(self, j: int, block: torch.Tensor | int) -> torch.Tensor:
+        """Where a server keeps parity j of its stripes in block `block`: the rows of its parity table are
+        j-major (all of P's blocks, then Q's), so one server can hold P of some stripes and Q of others (r = 2:
+        server s is P for the stripes of first member s - k and Q for those of first member s - k - 1, in every
+        block). With r = 1 the parity index is the block."""
+        return _t(block) + j * self._blocks()
+
+    def parity_slot(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(j, block) of parity indices: the inverse of parity_index."""
+        blocks = max(self._blocks(), 1)
+        index = _t(index)
+        return torch.div(index, blocks, rounding_mode="floor"), torch.remainder(index, blocks)
+
     def stripe_of(self, shard: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(stripe σ, data slot i) of local rows `local` on server `shard`."""
         local = _t(local)

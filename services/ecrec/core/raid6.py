@@ -79,11 +79,17 @@ class PQCode:
             return _xor_words(_words(members)).view(torch.float32)
         return _horner(_words(members)).view(torch.float32)
 
-    def delta(self, old: torch.Tensor, new: torch.Tensor, slot: int | torch.Tensor, j: int) -> torch.Tensor:
+    def delta(
+        self, old: torch.Tensor, new: torch.Tensor, slot: int | torch.Tensor = 0, j: int = 0
+    ) -> torch.Tensor:
         """What the data server holding rows `old` -> `new` [n, W] sends parity server j. `slot` is the rows'
         data slot: one int for all, or an integer tensor [n] of slots < k (a server's rows sit at different
-        slots; not range-checked, which would cost a device sync)."""
-        d = (_words(old) ^ _words(new)).view(torch.float32)
+        slots; not range-checked, which would cost a device sync). With j = 0 (the default) the delta is
+        P's, the same as the xor code's, and `for_parity` turns it into Q's."""
+        return self.for_parity((_words(old) ^ _words(new)).view(torch.float32), slot, j)
+
+    def for_parity(self, d: torch.Tensor, slot: int | torch.Tensor, j: int) -> torch.Tensor:
+        """P's delta `d` [n, W] (new xor old) as parity j's: itself for P, g^slot · d for Q."""
         if j == 0:
             return d
         if j != 1:

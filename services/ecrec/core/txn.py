@@ -25,6 +25,7 @@ from ecrec.core import ordered_xor
 from ecrec.core.codes import Code
 from ecrec.core.optim import RowOptimizer
 from ecrec.core.placement import Placement
+from ecrec.core.raid6 import PQCode
 from ecrec.core.vec import all_unique
 
 
@@ -126,7 +127,7 @@ class DataParticipant:
 
     shard: int
     placement: Placement
-    code: Code
+    code: Code | PQCode  # PQCode: r = 2 (P and Q deltas)
     optimizer: RowOptimizer
     records: torch.Tensor  # [L, W] row records (owned by the server)
     versions: torch.Tensor  # [L] int64
@@ -187,12 +188,29 @@ class DataParticipant:
             order = torch.argsort(slot, stable=True)
             sizes = torch.bincount(slot, minlength=p.k).tolist()
             fields = [t.index_select(0, order).split(sizes) for t in (index, slot, delta, version)]
+        index_, slot_, delta_, version_ = fields
         for j in range(p.r):
             servers = [
                 ((self.shard - i + p.k + j) % p.num_servers, i) for i, size in enumerate(sizes) if size
             ]
             for server, i in sorted(servers):  # batches by parity server, ascending
-                out.append(DeltaBatch(server, txn, self.shard, *(f[i] for f in fields)))
+                if j == 0:
+                    out.append(
+                        DeltaBatch(server, txn, self.shard, index_[i], slot_[i], delta_[i], version_[i])
+                    )
+                    continue
+                # Q (r = 2): the rows of one slot i take g^i times P's delta, at Q's rows of the parity table
+                out.append(
+                    DeltaBatch(
+                        server,
+                        txn,
+                        self.shard,
+                        p.parity_index(j, index_[i]),
+                        slot_[i],
+                        self.code.for_parity(delta_[i], i, j),
+                        version_[i],
+                    )
+                )
         return out
 
     def commit(self, txn: str) -> torch.Tensor:
@@ -232,7 +250,7 @@ class ParityParticipant:
 
     shard: int
     placement: Placement
-    code: Code
+    code: Code | PQCode  # PQCode: r = 2 (P and Q deltas)
     parity: torch.Tensor  # [P, W]
     pver: torch.Tensor  # [P, k] int64: member versions the parity reflects
     # [P] bool; False while a replacement has not rebuilt the record. Given at construction; then only
@@ -259,7 +277,7 @@ class ParityParticipant:
         # its held rows needs to look again (a wake-up on every delivery cost a live server ~9% of its time).
         self.releases = 0
         self._cpu_xor = (
-            self.code.name == "xor"
+            self.code.name in ("xor", "pq")  # P and Q both take their deltas by xor
             and self.parity.device.type == "cpu"
             and self.parity.dtype == torch.float32
             and self.parity.is_contiguous()
