@@ -21,6 +21,7 @@ invariant I1 (every parity record == encode(members), bit-exact for xor), as PSC
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -495,14 +496,15 @@ def parity_check(net: Net) -> dict:
     """Invariant I1 on every parity record: == encode(its members), bit-exact for xor (close for sum).
     `in_flight` counts stripes whose member versions differ from those the parity reflects."""
     ctx, p = net.ctx, net.ctx.placement
-    code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+    code = make_code(ctx.spec.fault_tolerance.ecrec.code, p.r, p.k)
     stripes = mismatches = in_flight = 0
     bad: list[tuple[int, int]] = []
-    for server in range(ctx.num_servers):
+    for server, j in itertools.product(range(ctx.num_servers), range(p.r)):
         store = net[server]
         assert bool(store.parity.ready.all()), f"server {server} has parity records not rebuilt yet"
-        index = torch.arange(store.parity.parity.shape[0])
-        shards, locs, present = p.stripe_members(server, index)
+        block = torch.arange(store.parity.parity.shape[0] // p.r)
+        index = p.parity_index(j, block)  # parity j's records (P, then Q when r = 2)
+        shards, locs, present = p.stripe_members(server, block, j)
         members = torch.zeros(p.k, index.numel(), ctx.record_width)
         mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
         for s in shards[present].unique().tolist():
@@ -511,17 +513,18 @@ def parity_check(net: Net) -> dict:
             assert bool(net[s].row_ready[locs[ri, sj]].all()), f"shard {s} has rows not rebuilt yet"
             members[sj, ri] = net[s].rows.records[locs[ri, sj]]
             mvers[ri, sj] = net[s].rows.versions[locs[ri, sj]]
-        expected, got = code.encode(members), store.parity.parity
-        if code.name == "xor":
+        expected = code.encode(members, j) if p.r == 2 else code.encode(members)
+        got = store.parity.parity[index]
+        if code.name in ("xor", "pq"):
             ok = (bits(expected) == bits(got)).all(dim=1)
         else:
             ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)
-        settled = (mvers == store.parity.pver).all(dim=1)
+        settled = (mvers == store.parity.pver[index]).all(dim=1)
         stripes += int(settled.sum())
         in_flight += int((~settled).sum())
         wrong = (settled & ~ok).nonzero().squeeze(1)
         mismatches += wrong.numel()
-        bad += [(server, i) for i in wrong[:4].tolist()]
+        bad += [(server, i) for i in index[wrong[:4]].tolist()]
     return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight, "bad": bad}
 
 

@@ -28,7 +28,7 @@ from concurrent.futures import Future
 import grpc
 import torch
 
-from ecrec.core.update import Part, StepUpdate
+from ecrec.core.update import ParityTargets, Part, StepUpdate
 from ecrec.faults import fault_point
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
@@ -303,14 +303,12 @@ class DeltaLogDriver:
                 retries.progress()
             else:
                 p = self.ctx.placement
-                pserver, pindex = p.parity_of(part.target, p.local_row(g[part.pos]))
-                scope = (
-                    torch.isin(pserver, _ids(asked)) if again else torch.ones_like(pserver, dtype=torch.bool)
-                )
-                wait = scope & torch.isin(pserver, _ids(late))
+                targets = ParityTargets(p, part.target, p.local_row(g[part.pos]))
+                scope = targets.at(asked) if again else torch.ones(part.pos.numel(), dtype=torch.bool)
+                wait = scope & targets.at(late)
                 answered = scope & ~wait
                 for server, idx in mine:
-                    answered &= ~((pserver == server) & torch.isin(pindex, idx))
+                    answered &= ~targets.refused(server, idx)
                 update.rows_applied(part, answered)  # what is left of the answered rows: applied
                 update.rows_unanswered(part, scope & ~wait, waiting=False)
                 if late:
@@ -373,7 +371,3 @@ class DeltaLogDriver:
             (r.txn, server): bytes_to_ids(r.index) for server, resp in answers.items() for r in resp.refused
         }
         return refused, undelivered
-
-
-def _ids(servers) -> torch.Tensor:
-    return torch.tensor(sorted(servers), dtype=torch.int64)

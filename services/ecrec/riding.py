@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ecrec.core.placement import Placement
-from ecrec.core.update import Part, StepUpdate
+from ecrec.core.update import ParityTargets, Part, StepUpdate
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.wire import bytes_to_ids
 
@@ -130,12 +130,12 @@ class Rides:
         self, c: Carried, part: Part, deltas: list, placement, settled: Settled, held: list
     ) -> None:
         update, n = c.update, part.pos.numel()
-        pserver, pindex = placement.parity_of(part.target, placement.local_row(c.g[part.pos]))
+        targets = ParityTargets(placement, part.target, placement.local_row(c.g[part.pos]))
         applied = torch.ones(n, dtype=torch.bool)  # rows of failed parity servers (skipped) count as applied
         waiting = torch.zeros(n, dtype=torch.bool)
         for d in deltas:
             s = d.parity_server
-            at = pserver == s
+            at = targets.at([s])
             if s in self._lost:
                 waiting |= at
                 settled.trouble.append((part, [d]))
@@ -147,8 +147,7 @@ class Rides:
                 continue
             bad = refused.get(d.txn)
             if bad is not None and bad.numel():
-                redo = at & torch.isin(pindex, bad)
-                applied &= ~redo
+                applied &= ~targets.refused(s, bad)
                 settled.refused = True
         applied &= ~waiting
         update.rows_applied(part, applied)

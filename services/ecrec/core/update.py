@@ -106,6 +106,34 @@ class Part:
     incarnation: int = 0  # the target's incarnation in that map
 
 
+class ParityTargets:
+    """Where the parity records of a part's rows live: per parity j (P, and Q when r = 2), each row's parity
+    server and parity index. A worker turns the parity servers' answers about a part's deltas into rows with
+    it: a row is applied once every one of its parity servers applied it."""
+
+    def __init__(self, placement: Placement, shard: int, local: torch.Tensor) -> None:
+        self.by_j = []
+        for j in range(placement.r):
+            server, block = placement.parity_of(shard, local, j)
+            self.by_j.append((server, placement.parity_index(j, block)))
+        self.n = local.numel()
+
+    def at(self, servers: Iterable[int]) -> torch.Tensor:
+        """Rows with a parity record on any of `servers`."""
+        ids = torch.tensor(sorted(servers), dtype=torch.int64)
+        out = torch.zeros(self.n, dtype=torch.bool)
+        for server, _index in self.by_j:
+            out |= torch.isin(server, ids)
+        return out
+
+    def refused(self, server: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows whose parity record on `server` is among the parity indices `index` (refused there)."""
+        out = torch.zeros(self.n, dtype=torch.bool)
+        for s, i in self.by_j:
+            out |= (s == server) & torch.isin(i, index)
+        return out
+
+
 @dataclass(frozen=True)
 class MapView:
     """A consistent snapshot of what a plan needs from the driver's cluster map."""

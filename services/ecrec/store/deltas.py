@@ -64,9 +64,17 @@ class ParityDeltas(StoreState):
         if int(version.min()) < 1:
             raise InvalidRequest("version: a delta takes its row to version 1 or later")
         # The closed form of placement.stripe_members for one source (a hot path: every delta message):
-        # every stripe whose parity this server holds has its member of shard src at the same slot, and that
-        # member is a real row (not padding) up to some parity index.
-        slot = (b.src - (self.shard - p.k) % n) % n
+        # every stripe whose parity j this server holds has its member of shard src at the same slot, and
+        # that member is a real row (not padding) up to some block. A batch holds one parity j (its rows'
+        # parity indices all in j's part of the table, Placement.parity_index).
+        j = 0
+        if p.r > 1:
+            blocks = self.parity.parity.shape[0] // p.r
+            j = lo // blocks
+            if hi // blocks != j:
+                raise InvalidRequest("index: a batch's rows are of one parity record j (P or Q), not both")
+            hi -= j * blocks
+        slot = (b.src - (self.shard - p.k - j) % n) % n
         if bool((slots != slot).any()):
             lo, hi = b.slot.aminmax()
             if int(lo) < 0 or int(hi) >= p.k:

@@ -29,6 +29,7 @@ Lock discipline (every part follows it):
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -112,7 +113,8 @@ class StoreState:
         # (_parity_changed, or a delivery that applied some: LoggedUpdates.deliver), not on every stage or
         # delivery as `cond` does: under hot rows many wait at once.
         self.held_cond = threading.Condition(self.lock)
-        self.code = make_code(ctx.spec.fault_tolerance.ecrec.code)
+        # r = 2: the P + Q code (xor family); r = 0 (no parity) and r = 1: the code named
+        self.code = make_code(ctx.spec.fault_tolerance.ecrec.code, 2 if p.r == 2 else 1, p.k)
         seed = ctx.spec.training.seed
         self.replacement = replacement
         # -- data rows ----------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ class StoreState:
             ssu_period=cpr.ssu_period,
         )
         # -- parity records -----------------------------------------------------------------------------
-        n_par = p.parity_rows_on(shard) if p.r else 0
+        n_par = p.r * p.parity_rows_on(shard)  # parity index j·B + block (Placement.parity_index)
         parity = torch.zeros(n_par, ctx.record_width)
         if n_par and not replacement:
             parity = self._encode_initial_parity(n_par, seed)
@@ -213,14 +215,18 @@ class StoreState:
     def _encode_initial_parity(self, n_par: int, seed: int) -> torch.Tensor:
         """Parity of the initial records, computed locally: initial rows are a pure function of global id."""
         p, out = self.placement, torch.empty(n_par, self.ctx.record_width)
-        for lo in range(0, n_par, INIT_BLOCK_ROWS):
-            index = torch.arange(lo, min(n_par, lo + INIT_BLOCK_ROWS))
-            shards, locals_, present = p.stripe_members(self.shard, index)
+        blocks = n_par // p.r
+        for j, lo in itertools.product(range(p.r), range(0, blocks, INIT_BLOCK_ROWS)):
+            block = torch.arange(lo, min(blocks, lo + INIT_BLOCK_ROWS))
+            shards, locals_, present = p.stripe_members(self.shard, block, j)
             g = p.global_id(shards.reshape(-1), locals_.reshape(-1))
             recs = torch.zeros(g.numel(), self.ctx.record_width)
             mask = present.reshape(-1)
             recs[mask] = self._init_records(g[mask], seed)
-            out[lo : lo + index.numel()] = self.code.encode(recs.view(index.numel(), p.k, -1).transpose(0, 1))
+            members = recs.view(block.numel(), p.k, -1).transpose(0, 1)
+            out[p.parity_index(j, block)] = (
+                self.code.encode(members, j) if p.r == 2 else self.code.encode(members)
+            )
         return out
 
     # ---------------------------------------------------------------------------------------------------
