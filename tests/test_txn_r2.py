@@ -17,6 +17,7 @@ from ecrec.core.codes import make_code
 from ecrec.core.optim import make_optimizer
 from ecrec.core.placement import Placement
 from ecrec.core.txn import DataParticipant, DeltaBatch, ParityParticipant
+from ecrec.core.update import ParityTargets
 from tests.test_raid6 import bits, records
 
 K, DIM = 4, 3
@@ -164,3 +165,21 @@ def test_two_lost_members_decode_from_the_parity_the_deltas_kept():
         decoded = st.code.decode(stripe, list(lost))
         for pos, i in enumerate(lost):
             assert torch.equal(bits(decoded[pos, 0]), bits(members[i])), lost
+
+
+def test_parity_targets_name_both_parity_servers_of_each_row():
+    """What a worker uses to turn parity servers' answers into rows (ecrec.core.update.ParityTargets)."""
+    p = Placement(num_servers=6, k=K, num_rows=6 * K * 3, r=2)
+    local = torch.arange(p.rows_on(2))
+    targets = ParityTargets(p, 2, local)
+    (ps, pb), (qs, qb) = (p.parity_of(2, local, j) for j in range(2))
+    for s in range(6):
+        assert torch.equal(targets.at(s), (ps == s) | (qs == s))
+        assert torch.equal(targets.at([s, (s + 1) % 6]), targets.at(s) | targets.at((s + 1) % 6))
+    assert not bool(targets.at(2).any())  # a row's parity is never on its own data server
+    # a refusal names parity indices on one server: P's rows there by block, Q's by B + block
+    row = 5
+    want = (ps == ps[row]) & (pb == pb[row])
+    assert torch.equal(targets.refused(int(ps[row]), p.parity_index(0, pb[row : row + 1])), want)
+    want = (qs == qs[row]) & (qb == qb[row])
+    assert torch.equal(targets.refused(int(qs[row]), p.parity_index(1, qb[row : row + 1])), want)

@@ -135,7 +135,7 @@ class Rides:
         waiting = torch.zeros(n, dtype=torch.bool)
         for d in deltas:
             s = d.parity_server
-            at = targets.at([s])
+            at = targets.at(s)
             if s in self._lost:
                 waiting |= at
                 settled.trouble.append((part, [d]))

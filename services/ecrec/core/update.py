@@ -118,12 +118,16 @@ class ParityTargets:
             self.by_j.append((server, placement.parity_index(j, block)))
         self.n = local.numel()
 
-    def at(self, servers: Iterable[int]) -> torch.Tensor:
-        """Rows with a parity record on any of `servers`."""
-        ids = torch.tensor(sorted(servers), dtype=torch.int64)
-        out = torch.zeros(self.n, dtype=torch.bool)
-        for server, _index in self.by_j:
-            out |= torch.isin(server, ids)
+    def at(self, servers: int | Iterable[int]) -> torch.Tensor:
+        """Rows with a parity record on `servers` (one, or any of several)."""
+        if isinstance(servers, int):  # the riding path: once per delta batch answered
+            masks = [server == servers for server, _index in self.by_j]
+        else:
+            ids = torch.tensor(sorted(servers), dtype=torch.int64)
+            masks = [torch.isin(server, ids) for server, _index in self.by_j]
+        out = masks[0] if masks else torch.zeros(self.n, dtype=torch.bool)
+        for m in masks[1:]:
+            out = out | m
         return out
 
     def refused(self, server: int, index: torch.Tensor) -> torch.Tensor:
