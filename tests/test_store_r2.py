@@ -24,15 +24,18 @@ from tests.nettransport import NetTransport, dense_grad, rows_and_grads
 N, K = 6, 4
 
 
-def r2_job(deliveries: str = "ride") -> JobContext:
+def ecrec_job(deliveries: str = "ride", r: int = 2) -> JobContext:
+    """A deltaLog job on N servers with r parity records per stripe (r = 2 set past the spec, which refuses it)."""
     ctx = make_ctx(
-        f"r2-{deliveries}",
+        f"r{r}-{deliveries}",
         faultTolerance__strategy="ecrec",
         servers__replicas=N,
         faultTolerance__ecrec__k=K,
         faultTolerance__ecrec__commit="deltaLog",
         faultTolerance__ecrec__deliveries=deliveries,
     )
+    if r == 1:
+        return ctx
     ec = ctx.spec.fault_tolerance.ecrec.model_copy(update={"r": 2})
     ft = ctx.spec.fault_tolerance.model_copy(update={"ecrec": ec})
     job = dataclasses.replace(ctx.job, spec=ctx.spec.model_copy(update={"fault_tolerance": ft}))
@@ -47,7 +50,7 @@ def apply(driver: DeltaLogDriver, step: str, seed: int) -> None:
 
 
 def test_every_server_starts_with_p_and_q_of_its_stripes():
-    net = Net(r2_job())
+    net = Net(ecrec_job())
     p = net.ctx.placement
     assert net[0].parity.parity.shape[0] == 2 * p.parity_rows_on(0)
     assert_parity_ok(net)
@@ -55,7 +58,7 @@ def test_every_server_starts_with_p_and_q_of_its_stripes():
 
 @pytest.mark.parametrize("deliveries", ["ride", "own"])
 def test_updates_reach_p_and_q_and_both_stay_exact(deliveries):
-    ctx = r2_job(deliveries)
+    ctx = ecrec_job(deliveries)
     net = Net(ctx)
     transport = NetTransport(net)
     driver = DeltaLogDriver(transport)
@@ -67,14 +70,7 @@ def test_updates_reach_p_and_q_and_both_stay_exact(deliveries):
     assert_parity_ok(net)
     assert all(len(net[s].deltalog) == 0 for s in range(N))  # every part's P and Q deltas acknowledged
     # the same model as r = 1 with the same updates: parity changes nothing a worker reads
-    r1 = make_ctx(
-        "r1",
-        faultTolerance__strategy="ecrec",
-        servers__replicas=N,
-        faultTolerance__ecrec__k=K,
-        faultTolerance__ecrec__commit="deltaLog",
-    )
-    net1 = Net(r1)
+    net1 = Net(ecrec_job(deliveries, r=1))
     d1 = DeltaLogDriver(NetTransport(net1))
     for i in range(1, 6):
         apply(d1, f"w0-{i}", i)
@@ -83,7 +79,7 @@ def test_updates_reach_p_and_q_and_both_stay_exact(deliveries):
 
 
 def test_two_workers_on_the_same_rows_leave_p_and_q_exact():
-    net = Net(r2_job())
+    net = Net(ecrec_job())
     a, b = DeltaLogDriver(NetTransport(net)), DeltaLogDriver(NetTransport(net))
     for i in range(1, 5):  # the same rows in every step: deltas arrive ahead of their predecessors, held
         apply(a, f"w0-{i}", 10 + i)
@@ -96,7 +92,7 @@ def test_two_workers_on_the_same_rows_leave_p_and_q_exact():
 
 
 def test_a_batch_is_refused_unless_it_is_p_or_q_of_the_senders_rows_here():
-    net = Net(r2_job())
+    net = Net(ecrec_job())
     p = net.ctx.placement
     blocks = p.parity_rows_on(0)
     server = 5  # P of the stripes whose first member is server 1, Q of those whose first member is server 0
