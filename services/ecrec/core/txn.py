@@ -194,23 +194,12 @@ class DataParticipant:
                 ((self.shard - i + p.k + j) % p.num_servers, i) for i, size in enumerate(sizes) if size
             ]
             for server, i in sorted(servers):  # batches by parity server, ascending
-                if j == 0:
-                    out.append(
-                        DeltaBatch(server, txn, self.shard, index_[i], slot_[i], delta_[i], version_[i])
-                    )
-                    continue
-                # Q (r = 2): the rows of one slot i take g^i times P's delta, at Q's rows of the parity table
-                out.append(
-                    DeltaBatch(
-                        server,
-                        txn,
-                        self.shard,
-                        p.parity_index(j, index_[i]),
-                        slot_[i],
-                        self.code.for_parity(delta_[i], i, j),
-                        version_[i],
-                    )
-                )
+                pindex, d = index_[i], delta_[i]
+                if (
+                    j
+                ):  # Q (r = 2): the rows of slot i take g^i times P's delta, at Q's rows of the parity table
+                    pindex, d = p.parity_index(j, pindex), self.code.for_parity(d, i, j)
+                out.append(DeltaBatch(server, txn, self.shard, pindex, slot_[i], d, version_[i]))
         return out
 
     def commit(self, txn: str) -> torch.Tensor:

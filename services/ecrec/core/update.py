@@ -120,14 +120,11 @@ class ParityTargets:
 
     def at(self, servers: int | Iterable[int]) -> torch.Tensor:
         """Rows with a parity record on `servers` (one, or any of several)."""
-        if isinstance(servers, int):  # the riding path: once per delta batch answered
-            masks = [server == servers for server, _index in self.by_j]
-        else:
-            ids = torch.tensor(sorted(servers), dtype=torch.int64)
-            masks = [torch.isin(server, ids) for server, _index in self.by_j]
-        out = masks[0] if masks else torch.zeros(self.n, dtype=torch.bool)
-        for m in masks[1:]:
-            out = out | m
+        one = isinstance(servers, int)  # the riding path: once per delta batch answered
+        ids = None if one else torch.tensor(sorted(servers), dtype=torch.int64)
+        out = torch.zeros(self.n, dtype=torch.bool)
+        for server, _index in self.by_j:
+            out |= (server == servers) if one else torch.isin(server, ids)
         return out
 
     def refused(self, server: int, index: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ class ParityDeltas(StoreState):
         # parity indices all in j's part of the table, Placement.parity_index).
         j = 0
         if p.r > 1:
-            blocks = self.parity.parity.shape[0] // p.r
+            blocks = p.parity_rows_on(self.shard)  # P's, then Q's (Placement.parity_index)
             j = lo // blocks
             if hi // blocks != j:
                 raise InvalidRequest("index: a batch's rows are of one parity record j (P or Q), not both")

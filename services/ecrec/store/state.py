@@ -215,7 +215,7 @@ class StoreState:
     def _encode_initial_parity(self, n_par: int, seed: int) -> torch.Tensor:
         """Parity of the initial records, computed locally: initial rows are a pure function of global id."""
         p, out = self.placement, torch.empty(n_par, self.ctx.record_width)
-        blocks = n_par // p.r
+        blocks = p.parity_rows_on(self.shard)
         for j, lo in itertools.product(range(p.r), range(0, blocks, INIT_BLOCK_ROWS)):
             block = torch.arange(lo, min(blocks, lo + INIT_BLOCK_ROWS))
             shards, locals_, present = p.stripe_members(self.shard, block, j)
