@@ -148,3 +148,9 @@ def rows_and_grads(ctx, seed: int, shard: int = 1) -> tuple[torch.Tensor, torch.
 
 def dense_grad(ctx) -> torch.Tensor:
     return torch.full((ctx.dense_bounds[-1][1],), 0.01)
+
+
+def apply(driver, step: str, seed: int) -> None:
+    """One worker step through a DeltaLogDriver: `rows_and_grads(seed)` and the dense gradient."""
+    g, grads = rows_and_grads(driver.ctx, seed)
+    driver.apply(step, g, grads, dense_grad(driver.ctx))

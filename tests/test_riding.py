@@ -12,7 +12,7 @@ from ecrec.delivery import DeltaLogDriver
 from ecrec.riding import MAX_RIDES
 from tests.conftest import make_ctx
 from tests.netsim import Net, assert_same_model, logical_model, parity_check
-from tests.nettransport import NetTransport, dense_grad, rows_and_grads
+from tests.nettransport import NetTransport, apply, dense_grad, rows_and_grads
 
 N, K = 5, 4
 S = 1  # the data server of the rows every step updates
@@ -45,11 +45,6 @@ def in_order(ctx, steps) -> Net:
         g, grads = rows_and_grads(own, seed)
         driver.apply(step, g, grads, dense_grad(own))
     return net
-
-
-def apply(driver: DeltaLogDriver, step: str, seed: int) -> None:
-    g, grads = rows_and_grads(driver.ctx, seed)
-    driver.apply(step, g, grads, dense_grad(driver.ctx))
 
 
 def logs_empty(net: Net) -> bool:

@@ -19,7 +19,7 @@ from ecrec.jobctx import JobContext
 from ecrec.wire import InvalidRequest
 from tests.conftest import make_ctx
 from tests.netsim import Net, assert_parity_ok, assert_same_model, logical_model, parity_check
-from tests.nettransport import NetTransport, dense_grad, rows_and_grads
+from tests.nettransport import NetTransport, apply
 
 N, K = 6, 4
 
@@ -42,11 +42,6 @@ def ecrec_job(deliveries: str = "ride", r: int = 2) -> JobContext:
     out = JobContext(job)
     assert out.placement.r == 2
     return out
-
-
-def apply(driver: DeltaLogDriver, step: str, seed: int) -> None:
-    g, grads = rows_and_grads(driver.ctx, seed)
-    driver.apply(step, g, grads, dense_grad(driver.ctx))
 
 
 def test_every_server_starts_with_p_and_q_of_its_stripes():
