@@ -81,6 +81,8 @@ def wire_copy(b: DeltaBatch, server: int) -> DeltaBatch:
         b.delta.clone(),
         b.version.clone(),
         b.incarnation,
+        b.via,
+        None if b.base is None else b.base.clone(),
     )
 
 
@@ -397,7 +399,7 @@ class Worker:
         out = torch.empty(g.numel(), self.ctx.dim)
         for s, pos, local in self.p.group_by_shard(g):
             if self.net.is_failed(s):
-                pservers, _ = self.p.parity_of(s, local)
+                pservers, _ = self.p.acting_parity(s, local, self.net.failed)
                 for ps in pservers.unique().tolist():
                     sub = pos[pservers == ps]
                     out[sub] = self.net.call(WORKER, ps, "degraded_pull", s, g[sub])
@@ -492,14 +494,20 @@ def logical_model(net: Net) -> Model:
     return Model(rows, versions, torch.cat(dense))
 
 
-def parity_check(net: Net) -> dict:
+def parity_check(net: Net, lost: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict:
     """Invariant I1 on every parity record: == encode(its members), bit-exact for xor (close for sum).
-    `in_flight` counts stripes whose member versions differ from those the parity reflects."""
+    `in_flight` counts stripes whose member versions differ from those the parity reflects. `lost`: the
+    (records, versions) of failed shards' rows, as a reference says they must be (their parity records died
+    with them and are not checked)."""
     ctx, p = net.ctx, net.ctx.placement
     code = make_code(ctx.spec.fault_tolerance.ecrec.code, p.r, p.k)
     stripes = mismatches = in_flight = 0
     bad: list[tuple[int, int]] = []
+    lost = lost or {}
+    rows_of = {s: (net[s].rows.records, net[s].rows.versions) for s in net.stores} | lost
     for server, j in itertools.product(range(ctx.num_servers), range(p.r)):
+        if server in lost:
+            continue
         store = net[server]
         assert bool(store.parity.ready.all()), f"server {server} has parity records not rebuilt yet"
         block = torch.arange(store.parity.parity.shape[0] // p.r)
@@ -510,9 +518,11 @@ def parity_check(net: Net) -> dict:
         for s in shards[present].unique().tolist():
             sel = present & (shards == s)
             ri, sj = sel.nonzero(as_tuple=True)
-            assert bool(net[s].row_ready[locs[ri, sj]].all()), f"shard {s} has rows not rebuilt yet"
-            members[sj, ri] = net[s].rows.records[locs[ri, sj]]
-            mvers[ri, sj] = net[s].rows.versions[locs[ri, sj]]
+            assert s in lost or bool(net[s].row_ready[locs[ri, sj]].all()), (
+                f"shard {s} has rows not rebuilt yet"
+            )
+            members[sj, ri] = rows_of[s][0][locs[ri, sj]]
+            mvers[ri, sj] = rows_of[s][1][locs[ri, sj]]
         expected = code.encode(members, j) if p.r == 2 else code.encode(members)
         got = store.parity.parity[index]
         if code.name in ("xor", "pq"):
@@ -528,16 +538,17 @@ def parity_check(net: Net) -> dict:
     return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight, "bad": bad}
 
 
-def assert_parity_ok(net: Net) -> None:
-    pc = parity_check(net)
+def assert_parity_ok(net: Net, lost: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    pc = parity_check(net, lost)
     assert pc["stripes"] > 0 and pc["mismatches"] == 0 and pc["in_flight"] == 0, pc
 
 
 def dense_replica_mismatches(net: Net) -> int:
-    """Dense chunks whose two live replicas differ in any bit."""
+    """Dense chunks whose live replicas differ in any bit."""
     bad = 0
     for c in range(net.ctx.num_servers):
-        holders = [h for h in net.ctx.dense_holders(c) if not net.is_failed(h)]
-        if len(holders) == 2:
-            bad += int(not same_bits(net[holders[0]].dense.records[c], net[holders[1]].dense.records[c]))
+        first, *rest = [
+            net[h].dense.records[c] for h in net.ctx.dense_holders(c) if not net.is_failed(h)
+        ] or [None]
+        bad += int(not all(same_bits(first, other) for other in rest))
     return bad

@@ -112,8 +112,19 @@ class NetTransport:
             refused, held = self.net.call(
                 WORKER, shard, "deliver_early", self._batches(shard, req.carried), asked
             )
+        versions = bytes_to_ids(req.versions) if req.HasField("versions") else None
         n, batches = self.net.call(
-            WORKER, shard, "apply_part", req.txn, g, grads, req.src, dense, req.epoch, list(req.delivered)
+            WORKER,
+            shard,
+            "apply_part",
+            req.txn,
+            g,
+            grads,
+            req.src,
+            dense,
+            req.epoch,
+            list(req.delivered),
+            versions,
         )
         return pb.StageResponse(
             staged=n,

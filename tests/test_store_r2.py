@@ -24,14 +24,14 @@ from tests.nettransport import NetTransport, apply
 N, K = 6, 4
 
 
-def ecrec_job(deliveries: str = "ride", r: int = 2) -> JobContext:
-    """A deltaLog job on N servers with r parity records per stripe (r = 2 set past the spec, which refuses it)."""
+def ecrec_job(deliveries: str = "ride", r: int = 2, commit: str = "deltaLog") -> JobContext:
+    """A job on N servers with r parity records per stripe (r = 2 set past the spec, which refuses it)."""
     ctx = make_ctx(
-        f"r{r}-{deliveries}",
+        f"r{r}-{deliveries}-{commit}",
         faultTolerance__strategy="ecrec",
         servers__replicas=N,
         faultTolerance__ecrec__k=K,
-        faultTolerance__ecrec__commit="deltaLog",
+        faultTolerance__ecrec__commit=commit,
         faultTolerance__ecrec__deliveries=deliveries,
     )
     if r == 1:

@@ -268,7 +268,7 @@ class PSClient:
                 targets = self.dense_targets(c)
                 if not targets:
                     orphaned = True
-                    # Both replicas lost: more than this job can rebuild. The coordinator fails the job
+                    # Every replica lost: more than this job can rebuild. The coordinator fails the job
                     # and names the shards; until it does (or a replacement comes), wait like any refusal.
                     retries.note(-1, "Pull", f"dense chunk {c} has no live replica")
                     retry_chunks.append(c)
@@ -277,8 +277,12 @@ class PSClient:
             rows_at: dict[int, torch.Tensor] = {}
             for s, pos, _local in ctx.placement.group_by_shard(g[todo]):
                 pos = todo[pos]
-                if self.ft and self.failed(s):  # degraded read at the parity servers
-                    pservers, _idx = ctx.placement.parity_of(s, ctx.placement.local_row(g[pos]))
+                if self.ft and self.failed(
+                    s
+                ):  # degraded read at the acting homes (first live parity servers)
+                    pservers, _j = ctx.placement.acting_parity(
+                        s, ctx.placement.local_row(g[pos]), self.view().failed_shards
+                    )
                     for p in pservers.unique().tolist():
                         sub = pos[pservers == p]
                         req = pb.DegradedPullRequest(epoch=self.epoch, src=s, ids=ids_to_bytes(g[sub]))

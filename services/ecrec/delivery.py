@@ -32,7 +32,7 @@ from ecrec.core.update import ParityTargets, Part, StepUpdate
 from ecrec.faults import fault_point
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.retries import RETRYABLE, UNREACHABLE, Retries, ServerUnavailable
-from ecrec.riding import Carried, Rides
+from ecrec.riding import Carried, Rides, took
 from ecrec.updater import Transport, send_deltas
 from ecrec.wire import bytes_to_ids, floats_to_bytes, ids_to_bytes
 
@@ -304,13 +304,20 @@ class DeltaLogDriver:
             else:
                 p = self.ctx.placement
                 targets = ParityTargets(p, part.target, p.local_row(g[part.pos]))
-                scope = targets.at(asked) if again else torch.ones(part.pos.numel(), dtype=torch.bool)
-                wait = scope & targets.at(late)
-                answered = scope & ~wait
+                scope = torch.ones(part.pos.numel(), dtype=torch.bool)
+                if again:  # (rows refused since by a parity server are decided: written again)
+                    scope = targets.at(asked) & update.rows_waiting[part.pos]
+                refused_rows = torch.zeros_like(scope)
                 for server, idx in mine:
-                    answered &= ~targets.refused(server, idx)
+                    refused_rows |= targets.refused(server, idx)
+                refused_rows &= scope
+                wait = scope & targets.at(late) & ~refused_rows
+                answered = scope & ~wait & ~refused_rows
                 update.rows_applied(part, answered)  # what is left of the answered rows: applied
-                update.rows_unanswered(part, scope & ~wait, waiting=False)
+                update.rows_unanswered(part, scope & ~wait, waiting=False)  # refused: planned again
+                if bool(refused_rows.any()):  # (a part's deltas may come in several entries)
+                    mine_all = [d for q, ds in staged if q is part for d in ds]
+                    update.rows_refused(part, refused_rows, took(p, g[part.pos], mine_all))
                 if late:
                     update.rows_unanswered(part, wait)
                     unanswered.append((part, [d for d in deltas if d.parity_server in late]))
@@ -359,6 +366,8 @@ class DeltaLogDriver:
             carried=carried,
             ask=asks,
         )
+        if part.versions is not None:  # a degraded write of rows a parity server refused (r = 2)
+            req.versions = ids_to_bytes(part.versions)
         return self.client.call(part.target, "Stage", req)
 
     def _deliver(
@@ -367,7 +376,9 @@ class DeltaLogDriver:
         """DeliverDeltas to every live parity server at once (updater.send_deltas). Returns the refused rows,
         by (txn, parity server), and the live servers that did not answer (their parts are delivered again)."""
         answers, undelivered = send_deltas(self.client, staged, "DeliverDeltas", errors)
-        refused = {
-            (r.txn, server): bytes_to_ids(r.index) for server, resp in answers.items() for r in resp.refused
-        }
+        refused: dict[tuple[str, int], torch.Tensor] = {}
+        for server, resp in answers.items():
+            for r in resp.refused:  # with r = 2 a part may have P's rows and Q's rows at one server
+                key, idx = (r.txn, server), bytes_to_ids(r.index)
+                refused[key] = torch.cat([refused[key], idx]) if key in refused else idx
         return refused, undelivered

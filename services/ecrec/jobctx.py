@@ -99,8 +99,9 @@ class JobContext:
     @cached_property
     def _dense_holders(self) -> tuple[tuple[int, ...], ...]:
         # asked for every chunk of every pull and update: the spec's property chain once, not each time
-        replicate = self.ecrec and self.spec.fault_tolerance.ecrec.replicate_dense
-        return tuple(dense_replicas(c, self.num_servers, replicate) for c in range(self.num_servers))
+        ec = self.spec.fault_tolerance.ecrec
+        copies = ec.r + 1 if self.ecrec and ec.replicate_dense else 1
+        return tuple(dense_replicas(c, self.num_servers, copies) for c in range(self.num_servers))
 
     def dense_chunks_of(self, shard: int) -> list[int]:
         return [c for c in range(self.num_servers) if shard in self.dense_holders(c)]

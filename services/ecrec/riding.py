@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ecrec.core.placement import Placement
-from ecrec.core.update import ParityTargets, Part, StepUpdate
+from ecrec.core.update import ParityTargets, Part, StepUpdate, part_versions
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.wire import bytes_to_ids
 
@@ -102,7 +102,10 @@ class Rides:
 
     def answered(self, server: int, resp) -> None:
         """A StageResponse or DeliverResponse from `server` to what rode to it."""
-        refused = {r.txn: bytes_to_ids(r.index) for r in resp.refused}
+        refused: dict[str, torch.Tensor] = {}
+        for r in resp.refused:  # with r = 2 a part may have P's rows and Q's rows at one server
+            idx = bytes_to_ids(r.index)
+            refused[r.txn] = torch.cat([refused[r.txn], idx]) if r.txn in refused else idx
         self._answers[server] = (refused, {h.txn for h in resp.held})
 
     def lost(self, server: int) -> None:
@@ -131,7 +134,7 @@ class Rides:
     ) -> None:
         update, n = c.update, part.pos.numel()
         targets = ParityTargets(placement, part.target, placement.local_row(c.g[part.pos]))
-        applied = torch.ones(n, dtype=torch.bool)  # rows of failed parity servers (skipped) count as applied
+        refused_rows = torch.zeros(n, dtype=torch.bool)
         waiting = torch.zeros(n, dtype=torch.bool)
         for d in deltas:
             s = d.parity_server
@@ -147,10 +150,26 @@ class Rides:
                 continue
             bad = refused.get(d.txn)
             if bad is not None and bad.numel():
-                applied &= ~targets.refused(s, bad)
+                refused_rows |= targets.refused(s, bad)
                 settled.refused = True
-        applied &= ~waiting
-        update.rows_applied(part, applied)
+        # A row refused by any parity server is decided: written again (at its acting home, which finds out
+        # whether another parity record holds it: Participant._stage_acting), whatever another parity server
+        # holds it for; a row decided before (refused on an earlier ride) is not counted again. Rows of failed
+        # parity servers (skipped) count as applied.
+        refused_rows &= update.rows_waiting[part.pos]
+        waiting &= ~refused_rows
+        update.rows_applied(part, update.rows_waiting[part.pos] & ~waiting & ~refused_rows)
         update.rows_unanswered(part, ~waiting, waiting=False)  # refused rows are planned again
+        if bool(refused_rows.any()):
+            update.rows_refused(part, refused_rows, took(placement, c.g[part.pos], deltas))
         if bool(update.rows_done[part.pos].all()):
             settled.done.append(part)
+
+
+def took(placement, g: torch.Tensor, deltas: list) -> torch.Tensor:
+    """The versions a part's rows (global ids `g`) took at their data server, from its delta messages."""
+    return part_versions(
+        placement,
+        placement.local_row(g),
+        [(bytes_to_ids(d.index), bytes_to_ids(d.slot), bytes_to_ids(d.version)) for d in deltas],
+    )

@@ -193,7 +193,7 @@ class GrpcPeers:
 
 def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.DeltaRequest:
     """One part's deltas for one parity server, as raw bytes."""
-    return pb.DeltaRequest(
+    msg = pb.DeltaRequest(
         epoch=epoch,
         txn=b.txn,
         src=b.src,
@@ -205,6 +205,21 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
         parity_server=b.parity_server,
         incarnation=b.incarnation,
     )
+    if b.via >= 0:  # (optional fields: absent from the ordinary batch, which pays nothing for them)
+        msg.via = b.via
+    if b.base is not None:
+        msg.base = ids_to_bytes(b.base)
+    return msg
+
+
+def stage_versions(request: pb.StageRequest, n: int) -> torch.Tensor | None:
+    """A degraded write's `versions` (r = 2: what each row's update took at its failed data server)."""
+    if not request.HasField("versions"):
+        return None
+    versions = bytes_to_ids(request.versions, "versions")
+    if request.src == -1 or versions.numel() != n:
+        raise InvalidRequest("versions: one per row, for a degraded write only")
+    return versions
 
 
 def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> DeltaBatch:
@@ -219,6 +234,11 @@ def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> Del
     if slot.numel() != n or version.numel() != n:
         raise InvalidRequest("index, slot and version differ in length")
     delta = bytes_to_floats(request.delta, n, width, "delta").clone()
+    base = None
+    if request.HasField("base"):
+        base = bytes_to_ids(request.base, "base").clone()
+        if base.numel() != n or not request.HasField("via"):
+            raise InvalidRequest("base: one version per row, from an acting home (via)")
     return DeltaBatch(
         parity_server,
         request.txn,
@@ -228,6 +248,8 @@ def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> Del
         delta,
         version.clone(),
         request.incarnation,
+        request.via if request.HasField("via") else -1,
+        base,
     )
 
 
@@ -458,6 +480,8 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
+        versions = stage_versions(request, g.numel())
+        txn, src = request.txn, request.src
         early: tuple[list, list] = ([], [])
         if self.store.logged:  # commit: deltaLog — applied now; the deltas are the worker's to deliver
             if request.decisions:
@@ -466,15 +490,14 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             carried, asked = self._carried(request.carried), self._asked(request.ask)  # all checked first
             if carried or asked:  # the worker's earlier deliveries to this server as a parity server
                 early = self.store.deliver_early(carried, asked)
-            staged = Staged(
-                *self.store.apply_part(request.txn, g, grads, request.src, dense, request.epoch, delivered)
-            )
+            n, batches = self.store.apply_part(txn, g, grads, src, dense, request.epoch, delivered, versions)
+            staged = Staged(n, batches)
         else:
             if request.delivered or request.carried or request.ask:
                 raise InvalidRequest("delivered, carried, ask: deliveries belong to commit: deltaLog only")
             decisions = self._decisions(request.decisions)
             staged = self.store.stage(
-                request.txn, g, grads, request.src, dense, request.epoch, decisions, request.lone
+                txn, g, grads, src, dense, request.epoch, decisions, request.lone, versions
             )
         self.metrics.of(self.metrics.rows, kind="stage").inc(staged.rows)
         if request.src != -1:  # rows of failed shard src, written at this acting home

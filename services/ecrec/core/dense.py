@@ -1,9 +1,9 @@
 """The dense (NN) chunks one server replicates, and their two-phase commit state, without I/O.
 
-The dense parameters are cut into chunks, each held by two servers (`JobContext.dense_holders`; one without
+The dense parameters are cut into chunks, each held by r + 1 servers (`JobContext.dense_holders`; one without
 replication). A worker step's update of a chunk is staged at each replica with the step's row part and applied
-when that part commits, so both replicas apply the same steps in commit order. A replacement replica copies
-the chunk from the surviving one: the survivor first lets its staged updates drain (`begin_copy`, new stages
+when that part commits, so the replicas apply the same steps in commit order. A replacement replica copies
+the chunk from a surviving one: the survivor first lets its staged updates drain (`begin_copy`, new stages
 wait while `copying`), then hands over its records with the steps they hold (`copy_out`); the replacement
 installs them (`install`) and skips those steps if a worker stages them again (`stage` filters by `log`).
 

@@ -107,6 +107,23 @@ class Placement:
         b = torch.div(local, self.k, rounding_mode="floor")
         return torch.remainder(shard - i + self.k + j, self.num_servers), b
 
+    def acting_parity(
+        self, shard: int, local: torch.Tensor, failed: frozenset[int] | set[int] = frozenset()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(server, j) of the first parity record of each row's stripe whose server is not `failed`: the
+        acting home of a failed shard's rows (P's server, or Q's when P's is failed too). Where every parity
+        server of the stripe is failed there is none: P's (whatever asks it fails, as it would with r = 1)."""
+        local = _t(local).reshape(-1)
+        down = torch.tensor(sorted(failed), dtype=torch.int64)
+        server, _ = self.parity_of(shard, local, 0)
+        j = torch.zeros_like(local)
+        for jj in reversed(range(self.r)):  # the last assignment wins: the first live j
+            s, _ = self.parity_of(shard, local, jj)
+            live = ~torch.isin(s, down)
+            server = torch.where(live, s, server)
+            j = torch.where(live, torch.full_like(j, jj), j)
+        return server, j
+
     def stripe_members(
         self, parity_server: int, index: torch.Tensor, j: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,8 +193,8 @@ def chunk_bounds(total: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def dense_replicas(chunk: int, num_servers: int, replicate: bool) -> tuple[int, ...]:
-    """Servers holding dense chunk `chunk`: its owner, and the next server when replicated."""
-    if replicate and num_servers > 1:
-        return (chunk, (chunk + 1) % num_servers)
-    return (chunk,)
+def dense_replicas(chunk: int, num_servers: int, copies: int) -> tuple[int, ...]:
+    """Servers holding dense chunk `chunk`: its owner and the next ones, `copies` in all (r + 1 when the dense
+    parameters are replicated: they survive the same failures as the parity-protected rows), at most one per
+    server."""
+    return tuple((chunk + i) % num_servers for i in range(max(1, min(copies, num_servers))))

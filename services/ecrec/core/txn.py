@@ -54,6 +54,11 @@ class DeltaBatch:
     delta: torch.Tensor  # [n, W]
     version: torch.Tensor  # the rows' versions once committed [n]
     incarnation: int = 0  # commit: deltaLog: the incarnation of src that applied the rows (0: not said)
+    # r = 2, src failed: the acting home of the rows that sent it (-1: src itself), with a degraded write's
+    # delta for the other parity record, or (`base` set: the versions the record reflects now) an alignment
+    # (ParityParticipant.realign; ecrec.store.twoparity).
+    via: int = -1
+    base: torch.Tensor | None = None
     # The rows' (record, member) keys at a parity server, kept by its CPU path for the batches it holds: a held
     # batch is looked at again on every release, its keys never change.
     keys: np.ndarray | None = field(default=None, compare=False, repr=False)
@@ -274,13 +279,24 @@ class ParityParticipant:
         )
 
     def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
-        """Stage a part's deltas. A part sends this server one batch, so a re-delivered batch (its ack was
-        lost and the sender retried) replaces the first instead of being applied twice."""
+        """Stage a part's deltas. A part sends this server one batch per parity record j (P's rows, and with
+        r = 2 Q's rows of other stripes), so a re-delivered batch (its ack was lost and the sender retried)
+        replaces the first of its j instead of being applied twice."""
         key = (batch.txn, batch.src)
         if key in self.resolved:
             return  # a late duplicate of something already decided
-        self.staged[key] = [batch]
+        if self.placement.r == 1:
+            self.staged[key] = [batch]
+        else:
+            j = self._j(batch)
+            self.staged[key] = [b for b in self.staged.get(key, ()) if self._j(b) != j] + [batch]
         self.staged_at[key] = now
+
+    def _j(self, b: DeltaBatch) -> int:
+        """The parity record (0: P, 1: Q) whose rows a batch holds (one j per batch: check_deltas)."""
+        if b.index.numel() == 0:
+            return 0
+        return int(b.index[0]) // max(self.placement.parity_rows_on(self.shard), 1)
 
     def apply_now(self, batch: DeltaBatch) -> str:
         """Stage and commit in one (updates without 2PC); a re-delivered batch is applied once."""
@@ -517,6 +533,24 @@ class ParityParticipant:
         for h in self.held:
             self._held_keys[self._key(h)] = True
 
+    def realign(self, b: DeltaBatch) -> torch.Tensor:
+        """Move a failed member's contribution to another prefix of its updates (r = 2, the acting home's
+        alignment: core/cuts.py): where the record reflects version `b.base` of the row, xor in the delta and
+        reflect `b.version` instead. Returns the rows that were not at `b.base` (left alone). Rows whose
+        record is not rebuilt are not at any base."""
+        if b.base is None or b.base.shape != b.version.shape:
+            raise ValueError("realign: a batch with a base version for every row")
+        flat = self.pver.view(-1)
+        key = self._key(b)
+        at = (flat.index_select(0, key) == b.base) & self.ready.index_select(0, b.index)
+        if not all_unique(key):
+            raise ValueError("realign: each (record, slot) once")
+        if bool(at.any()):
+            self.code.apply_delta_(self.parity, b.index[at], b.delta[at])
+            flat[key[at]] = b.version[at]
+            self.releases += 1
+        return ~at
+
     def install(self, index: torch.Tensor, records: torch.Tensor, versions: torch.Tensor) -> None:
         """Install rebuilt parity records; replay kept deltas newer than what the rebuild reflects."""
         self.parity[index] = records
@@ -571,4 +605,6 @@ def _rows(b: DeltaBatch, mask: torch.Tensor) -> DeltaBatch:
         b.delta[mask],
         b.version[mask],
         b.incarnation,
+        b.via,
+        None if b.base is None else b.base[mask],
     )

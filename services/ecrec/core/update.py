@@ -104,6 +104,9 @@ class Part:
     txn: str = ""  # "<step>/<target>.<src>.<attempt>": the servers recover the step from it
     epoch: int = 0  # the map epoch the part was planned under; its stage claims no newer map
     incarnation: int = 0  # the target's incarnation in that map
+    # A degraded write (r = 2): the version each row's update took at the failed shard before it failed (0:
+    # never got there): the acting home skips rows both parity records hold already.
+    versions: torch.Tensor | None = None
 
 
 class ParityTargets:
@@ -133,6 +136,22 @@ class ParityTargets:
         for s, i in self.by_j:
             out |= (s == server) & torch.isin(i, index)
         return out
+
+
+def part_versions(placement: Placement, local: torch.Tensor, batches: Iterable) -> torch.Tensor:
+    """The version each of a part's rows (`local`, of one data shard) took, from the part's delta batches
+    [(parity indices, stripe slots, versions)]; 0 for rows none of them names."""
+    out = torch.zeros(local.numel(), dtype=torch.int64)
+    if local.numel() == 0:
+        return out
+    order = torch.argsort(local)
+    ordered = local[order]
+    for index, slot, version in batches:
+        rows = placement.parity_slot(index)[1] * placement.k + slot
+        at = torch.searchsorted(ordered, rows).clamp(max=local.numel() - 1)
+        hit = ordered[at] == rows
+        out[order[at[hit]]] = version[hit]
+    return out
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,9 @@ class StepUpdate:
         # come). Not planned again until it says: written again elsewhere, they could be applied twice.
         self.rows_waiting = torch.zeros(self.g.numel(), dtype=torch.bool)
         self.dense_done: list[set[tuple[int, int]]] = [set() for _ in self.dense_holders]
+        # The version each row's update took at its data server, where a parity server refused it (the rows
+        # are written again, and a parity record may hold them already: Part.versions).
+        self.versions = torch.zeros(self.g.numel(), dtype=torch.int64)
         self.attempt = 0
         # commit: deltaLog applies a part when it is staged, so a retry must reach its server under the same
         # txn (answered from the server's log, applied once): every pass then names its parts alike. (A
@@ -200,10 +222,13 @@ class StepUpdate:
         parts: dict[tuple[int, int], Part] = {}
         for s, pos, local in p.group_by_shard(self.g[todo]):
             pos = todo[pos]
-            if view.failed(s):  # degraded write: each row goes to the parity server of its stripe
-                pservers, _ = p.parity_of(s, local)
+            # a failed shard's rows: degraded writes, each at its acting home (its first live parity server)
+            if view.failed(s):
+                pservers, _ = p.acting_parity(s, local, view.failed_shards)
                 for ps in pservers.unique().tolist():
-                    parts[(ps, s)] = Part(ps, s, pos[pservers == ps])
+                    sub = pos[pservers == ps]
+                    took = self.versions[sub]
+                    parts[(ps, s)] = Part(ps, s, sub, versions=took if bool(took.any()) else None)
             else:
                 parts[(s, -1)] = Part(s, -1, pos)
         empty = torch.empty(0, dtype=torch.int64)
@@ -224,6 +249,14 @@ class StepUpdate:
     def rows_applied(self, part: Part, mask: torch.Tensor) -> None:
         """Some of the part's rows are applied (deltaLog: their deltas reached every live parity server)."""
         self.rows_done[part.pos[mask]] = True
+
+    def rows_refused(self, part: Part, mask: torch.Tensor, versions: torch.Tensor) -> None:
+        """deltaLog: a parity server refused the part's rows under `mask` (their data server failed or was
+        replaced): they are planned again, with `versions` [part rows] — what the update took at the data
+        server, for the acting home to tell whether a parity record holds it already."""
+        self.rows_waiting[part.pos[mask]] = False
+        took = part.pos[mask & (versions > 0)]
+        self.versions[took] = versions[mask & (versions > 0)]
 
     def rows_unanswered(self, part: Part, mask: torch.Tensor, waiting: bool = True) -> None:
         """deltaLog: whether the part's rows under `mask` wait for a parity server's answer about their deltas

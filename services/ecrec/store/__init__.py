@@ -13,6 +13,7 @@ docstring gives the lock discipline every part follows):
 - `deltas`: the parity server's side (deltas staged and decided, settling what nobody decided)
 - `logged`: both sides under commit: deltaLog (applied at stage, deltas logged until delivered)
 - `recovery`: decoding (degraded reads, acting-home writes) and the rebuild of a replacement
+- `twoparity`: r = 2, both parity records of a failed shard's rows (aligned, skipped, forwarded)
 - `checkpoints`: snapshots for the checkpoint strategies, and their restore
 - `peers`: what a server needs from the others (`Peers`); anything remote goes through it, so the same
   code runs over gRPC in a server process and over direct calls in deterministic in-process tests.
@@ -29,6 +30,7 @@ from ecrec.store.peers import NoPeers, PeerFailed, Peers
 from ecrec.store.records import Records
 from ecrec.store.recovery import Recovery
 from ecrec.store.state import CALLER, MAX_WAITING, Busy, Caller, Cancelled, NotOwner
+from ecrec.store.twoparity import TwoParity
 
 __all__ = [
     "CALLER",
@@ -46,5 +48,5 @@ __all__ = [
 ]
 
 
-class ShardStore(Records, Participant, LoggedUpdates, ParityDeltas, Recovery, Checkpoints):
+class ShardStore(Records, Participant, LoggedUpdates, ParityDeltas, Recovery, TwoParity, Checkpoints):
     """One server's tables and protocol state. Thread-safe (ecrec.store.state: one lock)."""

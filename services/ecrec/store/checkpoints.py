@@ -109,6 +109,7 @@ class Checkpoints(StoreState):
         self.parity_rebuilding.zero_()
         self.dense_copying_in.clear()
         self.acting.reset()
+        self.cuts.reset()
         # Updates after the checkpoint were undone: a replay under an id used before must apply anew, not be
         # answered from what this server remembers of it.
         self.outcomes.clear()

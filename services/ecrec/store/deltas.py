@@ -28,10 +28,12 @@ class ParityDeltas(StoreState):
         with self.lock:
             if src in self.acting.cache and commit and (txn, src) in self.parity.staged:
                 # A dead server's own update committed on its behalf changes its lost rows: forget them.
-                k = self.placement.k
-                self.acting.invalidate(
-                    src, torch.cat([b.index * k + b.slot for b in self.parity.staged[(txn, src)]])
+                p = self.placement
+                rows = torch.cat(
+                    [p.parity_slot(b.index)[1] * p.k + b.slot for b in self.parity.staged[(txn, src)]]
                 )
+                self.acting.invalidate(src, rows)
+                self.cuts.unalign(src, rows)
             out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)
             self._parity_changed()
         fault_point("decide:after_apply")
@@ -40,10 +42,15 @@ class ParityDeltas(StoreState):
     def receive_deltas(self, batch: DeltaBatch, immediate: bool) -> None:
         """Deltas of another server's rows (from the worker, or from the data server without 2PC, or from a
         data server forwarding what its worker did not deliver under deltaLog)."""
-        if self.logged and immediate:
+        if batch.via >= 0:  # r = 2: from the acting home of a failed shard's rows (ecrec.store.twoparity)
+            if batch.base is not None:
+                self.realign(batch)
+            else:
+                self.apply_forward(batch)
+        elif self.logged and immediate:
             self.deliver([batch], wait=False)
-            return
-        self.stage_deltas([batch], immediate)
+        else:
+            self.stage_deltas([batch], immediate)
 
     def check_deltas(self, b: DeltaBatch) -> None:
         """A delta batch must come from a data shard whose parity this server holds, for the parity indices
@@ -61,7 +68,7 @@ class ParityDeltas(StoreState):
         lo, hi = int(index.min()), int(index.max())
         if lo < 0 or hi >= self.parity.parity.shape[0]:
             raise InvalidRequest("index: parity indices out of range")
-        if int(version.min()) < 1:
+        if int(version.min()) < (0 if b.base is not None else 1):  # (an aligned row may be at version 0)
             raise InvalidRequest("version: a delta takes its row to version 1 or later")
         # The closed form of placement.stripe_members for one source (a hot path: every delta message):
         # every stripe whose parity j this server holds has its member of shard src at the same slot, and

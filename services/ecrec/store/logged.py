@@ -54,6 +54,7 @@ class LoggedUpdates(StoreState):
         dense: dict[int, torch.Tensor] | None = None,
         epoch: int = 0,
         delivered: list[str] = (),
+        versions: torch.Tensor | None = None,
     ) -> tuple[int, list[DeltaBatch]]:
         """Apply a part (this server's rows, or a failed shard's at its acting home) and answer with the
         deltas the worker must deliver. A retried part is answered from the log, applied once."""
@@ -62,7 +63,7 @@ class LoggedUpdates(StoreState):
             with self.lock:
                 self.deltalog.ack(delivered)
         if src != self.shard:
-            return self._write_acting(txn, src, local, grads), []
+            return self._write_acting(txn, src, local, grads, versions), []
         self.ensure_rows(local)
         with self.lock:
             logged = self.deltalog.get(txn)
@@ -88,13 +89,15 @@ class LoggedUpdates(StoreState):
         fault_point("stage:after_local")
         return local.numel(), list(batches)
 
-    def _write_acting(self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor) -> int:
+    def _write_acting(
+        self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor | None
+    ) -> int:
         """A degraded write, staged and committed in one call (this server is the rows' only writer)."""
         with self.lock:
             if self.outcomes.get(txn) == "committed":
                 return local.numel()  # a retry whose first answer was lost
             self._settle_src(src)
-        n = self._stage_acting(txn, src, local, grads, lone=True)
+        n = self._stage_acting(txn, src, local, grads, lone=True, versions=versions)
         if self.commit(txn) != "committed":
             raise Busy(f"degraded write {txn} was not committed")
         return n

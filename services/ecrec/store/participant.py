@@ -94,6 +94,7 @@ class Participant(StoreState):
         epoch: int = 0,
         decisions: list[tuple[str, int, bool]] = (),
         lone: bool = False,
+        versions: torch.Tensor | None = None,
     ) -> Staged:
         """Phase 1 of a part (docs/protocol.md): stage the new records; the answer carries the deltas for the
         worker to deliver to the parity servers (nothing is sent from here). The worker's decisions about
@@ -104,7 +105,7 @@ class Participant(StoreState):
         if decisions:  # checked above; applied before this stage can wait for anything
             self.decide_many(list(decisions))
         if src != self.shard:
-            return Staged(self._stage_acting(txn, src, local, grads, lone), [])
+            return Staged(self._stage_acting(txn, src, local, grads, lone, versions), [])
         self.ensure_rows(local)
         with self.lock:
             if txn in self.outcomes:
@@ -118,19 +119,26 @@ class Participant(StoreState):
         return Staged(local.numel(), list(part.batches))
 
     def _stage_acting(
-        self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor, lone: bool = False
+        self,
+        txn: str,
+        src: int,
+        local: torch.Tensor,
+        grads: torch.Tensor,
+        lone: bool = False,
+        versions: torch.Tensor | None = None,
     ) -> int:
         """Phase 1 of a degraded write: this parity server stands in for failed shard src's rows. Rows
         another worker's degraded write holds are waited for under wait-die, like a data server's
         (_wait_rows): two workers' degraded writes of hot rows at two acting homes would otherwise each wait
-        for the other until ROW_LOCK_WAIT ran out."""
+        for the other until ROW_LOCK_WAIT ran out. With r = 2 the rows are aligned in both parity records
+        first, and rows whose update (at `versions`, the ones it took at src) both records hold already are
+        not written again (ecrec.store.twoparity)."""
         with self.lock:
             if txn in self.acting:  # a retried stage gets the same answer, staged once
                 return local.numel()
             if txn in self.outcomes:
                 raise Busy(f"txn {txn} was already {self.outcomes[txn]}")
         self._check_acting(src, local)
-        p = self.placement
         with self.lock:
             while True:
                 # the dead server's own undecided deltas: decided by their workers (or on expiry), soon
@@ -148,32 +156,47 @@ class Participant(StoreState):
             if not self.peers.is_failed(src):
                 raise NotOwner(f"shard {src} has a replacement now (epoch {self.epoch}): refresh the map")
             self.acting.lock(txn, src, local)
+        n = local.numel()
         try:
             old, vers = self.lost_rows(src, local)
+            write = torch.ones(local.numel(), dtype=torch.bool)
+            if self.placement.r == 2:
+                old, vers = self._align(txn, src, local, old, vers)
+                write = ~self._written_already(txn, src, local, versions)
         except Exception:
             with self.lock:
                 self.acting.unlock(txn, src)
                 self.cond.notify_all()
             raise
+        if not bool(write.all()):
+            if not bool(write.any()):  # every row is in both parity records already: done
+                with self.lock:
+                    self.acting.unlock(txn, src)
+                    self._remember(txn, "committed")
+                    self.cond.notify_all()
+                return n
+            local, old, vers, grads = local[write], old[write], vers[write], grads[write]
         new = self.opt.apply(old, grads)
-        _, index = p.parity_of(src, local)
-        slot = p.stripe_of(src, local)[1]
-        batch = DeltaBatch(self.shard, txn, src, index, slot, self.code.delta(old, new), vers + 1)
+        slot = self.placement.stripe_of(src, local)[1]
+        d = self.code.delta(old, new)  # P's; Q's is g^slot times it (PQCode.for_parity)
+        own, forward = self._acting_deltas(txn, src, local, slot, d, vers + 1)
         with self.lock:
-            self.parity.stage(batch)
+            self.parity.stage(own)
             self.acting.stage(txn, src, local, new, vers + 1, self.clock())
+            if forward is not None:  # the other parity record's delta: delivered before the write commits
+                self.cuts.forwards[txn] = forward
             self.stats["degraded_rows"] += local.numel()
         fault_point("acting:after_stage")
-        return local.numel()
+        return n
 
     def _staged_from_rows(self, src: int, local: torch.Tensor) -> bool:
         """Does failed shard src still have an undecided delta (staged before it died) on these rows, or a
         committed one held until its predecessor is applied?"""
-        k = self.placement.k
+        p = self.placement
         for txn, idx, slot in self.parity.staged_members(src) + self.parity.held_members(src):
             if txn in self.acting:
                 continue
-            if bool(torch.isin(idx * k + slot, local).any()):
+            if bool(torch.isin(p.parity_slot(idx)[1] * p.k + slot, local).any()):
                 return True
         return False
 
@@ -182,11 +205,17 @@ class Participant(StoreState):
         chunks) and release the rows. The worker then tells the parity servers; a parity server that never
         hears asks here (outcome)."""
         with self.lock:
+            forward = None if txn in self.outcomes else self.cuts.forwards.get(txn)
+        if forward is not None:  # r = 2, a degraded write: the other parity record takes its delta first
+            self._send_forward(txn, forward)
+        with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]
             write = self.acting.commit(txn)
             if write is not None:
                 self.parity.commit(txn, write.src)
+                self.cuts.forwards.pop(txn, None)
+                self.cuts.sent.discard(txn)
                 self._remember(txn, "committed")
                 self._parity_changed()
                 return "committed"
@@ -218,6 +247,9 @@ class Participant(StoreState):
                 return self.outcomes[txn]
             if txn not in self.acting and txn not in self.rows.staged and txn not in self.dense.staged:
                 return "unknown"
+            if txn in self.cuts.sent:  # (r = 2) the other parity record may hold the write: it commits
+                raise Busy(f"degraded write {txn} is being committed")
+            self.cuts.forwards.pop(txn, None)
             write = self.acting.abort(txn)
             if write is not None:
                 self.parity.abort(txn, write.src)
@@ -259,6 +291,8 @@ class Participant(StoreState):
             stale = list(self.rows.expired(now, self.txn_timeout, gone))
             # degraded writes whose worker died expire too, or the failed shard's rows would stay locked
             stale += self.acting.expired(now, self.txn_timeout, gone)
+            committing = [t for t in stale if t in self.cuts.sent]
+            stale = [t for t in stale if t not in self.cuts.sent]
             undecided = [
                 (key, now - self.parity.staged_at[key])
                 for key in self.parity.expired(now, self.txn_timeout, gone)
@@ -271,6 +305,11 @@ class Participant(StoreState):
                     self.stats[reasons[txn]] += 1
         for (txn, src), age in undecided:
             self._settle(txn, src, age)
+        for txn in committing:  # (r = 2) their other parity record may hold them already: commit, not abort
+            try:
+                self.commit(txn)
+            except Busy:
+                pass  # the next expiry pass tries again
         if self.logged:
             self.forward_due()
             with self.lock:

@@ -15,11 +15,12 @@ checkpoint loaded while a rebuild or copy decodes (`loads` changed) wins: the re
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode
+from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode, StripesLost
 from ecrec.core.vec import in_range
 from ecrec.faults import fault_point
 from ecrec.store.peers import PeerFailed
@@ -76,24 +77,36 @@ class Recovery(StoreState):
             if bool(torch.isin(idx, index).any()):
                 return True
         if self.acting.writing(src):
-            shards, locs, present = self.placement.stripe_members(self.shard, index)
-            rows = locs[(shards == src) & present]
-            if rows.numel() and self.acting.busy(src, rows):
-                return True
+            p = self.placement
+            js, blocks = p.parity_slot(index)
+            for j in js.unique().tolist():  # P's and Q's records (r = 2) have different members
+                shards, locs, present = p.stripe_members(self.shard, blocks[js == j], j)
+                rows = locs[(shards == src) & present]
+                if rows.numel() and self.acting.busy(src, rows):
+                    return True
         return False
 
     # ---------------------------------------------------------------------------------------------------
     # decoding (degraded reads, acting-home writes, recovery)
-    def decode_rows(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_rows(
+        self, src: int, local: torch.Tensor, unread: int = -1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Records and versions of shard src's rows, decoded from their stripes (consistent cut). The
         parity records and the other members are read in one round (ecrec.core.stripes); stripes a commit
-        was crossing are read again."""
+        was crossing are read again; no read goes to a server this one's map has failed. `unread`: one more
+        server not to read (r = 2: an acting home decodes the rows from the other parity record too, waiting
+        for src's updates in flight there, to realign it: `Participant._realign`)."""
         out = torch.empty(local.numel(), self.ctx.record_width)
         vers = torch.empty(local.numel(), dtype=torch.int64)
         todo = torch.arange(local.numel())
         # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
         # degraded read or write at the acting home reads committed state (and holds the row lock itself).
-        plan = StripeDecode(self.placement, src, local, wait_src=src if src == self.shard else -1)
+        wait = src if src == self.shard or unread >= 0 else -1
+        failed = [s for s in range(self.ctx.num_servers) if s != src and self.peers.is_failed(s)]
+        try:
+            plan = StripeDecode(self.placement, src, local, wait, failed + ([unread] if unread >= 0 else []))
+        except StripesLost as e:
+            raise PeerFailed(-1, str(e)) from e
         for _attempt in range(CONSISTENT_READ_TRIES):
             try:
                 decoded, versions, consistent = plan.decode(
@@ -124,6 +137,12 @@ class Recovery(StoreState):
     def _read_many(self, reads: list[Read]) -> list[ReadResult]:
         """Reads from peers, all at once; reads addressed to this server are served locally."""
         out: list[ReadResult | None] = [None] * len(reads)
+        p = self.placement
+        # parity j's records of blocks `index` (r = 2) are rows j·B + block of the server's parity table
+        reads = [
+            dataclasses.replace(r, index=p.parity_index(r.j, r.index), j=None) if r.j is not None else r
+            for r in reads
+        ]
         remote = [(i, r) for i, r in enumerate(reads) if r.server != self.shard]
         for i, r in enumerate(reads):
             if r.server == self.shard:
@@ -145,9 +164,8 @@ class Recovery(StoreState):
         """Committed records and versions of failed shard src's rows: materialized ones from the acting
         home's cache, the rest decoded (and materialized)."""
 
-        def reflected() -> torch.Tensor:  # the versions the parity records reflect for these rows
-            _, pindex = self.placement.parity_of(src, local)
-            return self.parity.pver[pindex, self.placement.stripe_of(src, local)[1]]
+        def reflected() -> torch.Tensor:  # the versions this server's parity records reflect for these rows
+            return self.parity.pver[self._acting_index(src, local), self.placement.stripe_of(src, local)[1]]
 
         if local.numel() == 0:
             return torch.empty(0, self.ctx.record_width), torch.empty(0, dtype=torch.int64)
@@ -167,16 +185,30 @@ class Recovery(StoreState):
         if src == self.shard or not self.peers.is_failed(src):
             with self.lock:
                 self.acting.forget(src)
+                self.cuts.forgotten(src)
             raise NotOwner(f"shard {src} is not failed in this server's cluster map (epoch {self.epoch})")
-        pserver, _ = self.placement.parity_of(src, local)
-        if bool((pserver != self.shard).any()):
+        if bool((self._acting_parity(src, local)[0] != self.shard).any()):
             raise InvalidRequest(
-                f"ids: this server is not the parity server of all these rows of shard {src}"
+                f"ids: this server is not the acting home (first live parity server) of all these rows of"
+                f" shard {src}"
             )
         key = getattr(self.peers, "failure_key", None)
         key = key(src) if key is not None else None
         with self.lock:
             self.acting.begin(src, key)
+
+    def _acting_parity(self, src: int, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(server, j) of the acting home of failed shard src's rows: their first live parity server."""
+        n = self.ctx.num_servers
+        return self.placement.acting_parity(src, local, {s for s in range(n) if self.peers.is_failed(s)})
+
+    def _acting_index(self, src: int, local: torch.Tensor) -> torch.Tensor:
+        """Where this server, their acting home, keeps the parity record of failed shard src's rows."""
+        p = self.placement
+        if p.r == 1:
+            return p.parity_of(src, local)[1]
+        _server, j = self._acting_parity(src, local)
+        return p.parity_index(j, p.parity_of(src, local)[1])
 
     # ---------------------------------------------------------------------------------------------------
     # recovery of a replacement
@@ -251,7 +283,9 @@ class Recovery(StoreState):
                 self.dense_copying_in.add(c)
                 loads = self.loads
             try:
-                other = [h for h in self.ctx.dense_holders(c) if h != self.shard][0]
+                others = [h for h in self.ctx.dense_holders(c) if h != self.shard]
+                live = [h for h in others if not self.peers.is_failed(h)]  # (r = 2: three replicas)
+                other = (live or others)[0]
                 recs, txns = self.peers.dense_copy(other, c, self.epoch)
                 with self.lock:
                     if self.loads != loads:  # a checkpoint was loaded meanwhile: its chunks stand

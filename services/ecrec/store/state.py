@@ -42,6 +42,7 @@ import torch
 
 from ecrec.core.acting import ActingHome
 from ecrec.core.codes import make_code
+from ecrec.core.cuts import Cuts
 from ecrec.core.deltalog import DeltaLog
 from ecrec.core.dense import DenseReplicas
 from ecrec.core.snapshots import ShardSnapshots
@@ -151,6 +152,7 @@ class StoreState:
         )
         # -- degraded writes of failed shards' rows, for which this server is the acting home -----------
         self.acting = ActingHome(p.rows_on, ctx.record_width)
+        self.cuts = Cuts(p.rows_on)  # r = 2: a failed shard's rows in both parity records (store.twoparity)
         # -- dense chunks -------------------------------------------------------------------------------
         flat = init_dense(*_model_args(ctx), seed=seed)
         records, ready = {}, {}
@@ -193,6 +195,7 @@ class StoreState:
             "stripes_read_again": 0,
             "deltas_delivered": 0,  # deltaLog: delta batches accepted as a parity server (first deliveries)
             "deltas_held": 0,  # ... of them with rows that came ahead of a predecessor and were held
+            "rows_realigned": 0,  # r = 2: a failed shard's rows whose other parity record took the acting home's cut
         }
         # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
         self.fence = WorkerFence()

@@ -1,0 +1,113 @@
+"""Where a failed shard's rows stand in their two parity records (r = 2), without I/O (docs/protocol.md,
+"Degraded mode").
+
+Each parity record reflects a prefix of the failed data server's updates of a row: it applies them in
+version order, and once it knows the server failed it takes none of them any more. The two prefixes can
+differ: a delivery that reached one parity server before it learned of the failure and the other after.
+The acting home therefore *aligns* a row before its first degraded write: it decodes the row from both
+records and brings the shorter prefix up to the longer one — the union of what either applied (a record
+never loses an update it has). The other parity server is told the row is aligned, and at which version of
+the dead server's (`cut`). A degraded write that repeats an update whose version is within the cut is
+already in both records and is skipped; everything else is applied once, by the acting home, which sends
+the other record its delta before it commits (`forwards`). Should the acting home die before answering,
+the other parity server — now the acting home — knows which of its rows came from it (`via`), and skips
+the worker's retry of them.
+
+One `Cuts` per server, as parity server of some stripes and acting home of some rows: the caller
+(ShardStore) holds the server's lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ecrec.core.txn import DeltaBatch
+
+VIA_KEPT = 4096  # (step, src) of acting homes' writes remembered: a worker retries within a few passes
+
+
+@dataclass
+class SrcCuts:
+    """The aligned rows of one failure (`key`: the failed shard's incarnation) and their cuts."""
+
+    key: object
+    aligned: torch.Tensor  # [rows of src] bool
+    cut: torch.Tensor  # [rows of src] int64: the dead server's version both records reflect
+
+
+class Cuts:
+    """Aligned rows and their cuts, per failed shard; degraded writes' forwards in flight; rows applied from
+    another acting home's forwards. `rows_on(src)`: how many local rows shard src has."""
+
+    def __init__(self, rows_on) -> None:
+        self.rows_on = rows_on
+        self.by_src: dict[int, SrcCuts] = {}
+        self.forwards: dict[str, DeltaBatch] = {}
+        # txns whose forward was sent (it may have been applied): committed, never aborted
+        self.sent: set[str] = set()
+        self.via: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+
+    def reset(self) -> None:
+        """A checkpoint was loaded: nothing is failed any more, as far as these records know."""
+        self.by_src.clear()
+        self.forwards.clear()
+        self.sent.clear()
+        self.via.clear()
+
+    def _of(self, src: int, key) -> SrcCuts:
+        c = self.by_src.get(src)
+        if c is None or c.key != key:  # a new failure of src: nothing aligned yet
+            n = self.rows_on(src)
+            c = SrcCuts(key, torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.int64))
+            self.by_src[src] = c
+        return c
+
+    def unaligned(self, src: int, key, rows: torch.Tensor) -> torch.Tensor:
+        """Which of failed shard src's `rows` are not aligned yet in this failure (`key`; None: unknown, so
+        none is known aligned)."""
+        if key is None:
+            return torch.ones(rows.numel(), dtype=torch.bool)
+        return ~self._of(src, key).aligned[rows]
+
+    def align(self, src: int, key, rows: torch.Tensor, cut: torch.Tensor) -> None:
+        """`rows` are aligned at the dead server's versions `cut` (by this acting home, or by the one that
+        said so in a realign)."""
+        if key is not None:
+            c = self._of(src, key)
+            c.aligned[rows], c.cut[rows] = True, cut
+
+    def unalign(self, src: int, rows: torch.Tensor) -> None:
+        """This record's cut of the rows moved without the acting home writing them (a dead server's own
+        delta committed on its behalf): align them again before the next write."""
+        c = self.by_src.get(src)
+        if c is not None:
+            c.aligned[rows] = False
+
+    def within(self, src: int, key, rows: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+        """Rows aligned whose update at the dead server took `versions` (0: it never got there) that both
+        records reflect already."""
+        if key is None:
+            return torch.zeros(rows.numel(), dtype=torch.bool)
+        c = self._of(src, key)
+        return c.aligned[rows] & (versions > 0) & (versions <= c.cut[rows])
+
+    def forgotten(self, src: int) -> None:
+        """Shard src is no longer failed: its rows have a writer of their own again."""
+        self.by_src.pop(src, None)
+
+    # -- an acting home's writes reaching the other parity record --------------------------------------------
+    def applied_via(self, step: str, src: int, rows: torch.Tensor) -> None:
+        """Rows of failed shard src written in worker step `step` by another acting home reached this record."""
+        key = (step, src)
+        prev = self.via.pop(key, None)
+        self.via[key] = rows if prev is None else torch.cat([prev, rows])
+        while len(self.via) > VIA_KEPT:
+            self.via.popitem(last=False)
+
+    def came_via(self, step: str, src: int, rows: torch.Tensor) -> torch.Tensor:
+        """Which of `rows` of failed shard src a former acting home wrote in worker step `step` here."""
+        got = self.via.get((step, src))
+        return torch.zeros(rows.numel(), dtype=torch.bool) if got is None else torch.isin(rows, got)

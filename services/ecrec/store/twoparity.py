@@ -1,0 +1,179 @@
+"""Degraded writes with two parity records per stripe (r = 2; docs/protocol.md, "Degraded mode"): the acting
+home aligns a failed shard's rows in both records before its first write of them, skips what both hold
+already, and sends the other record each write's delta before the write commits; the other parity server's
+side of both (`realign`, `apply_forward`). The state is `ecrec.core.cuts.Cuts`.
+
+Lock discipline as in ecrec.store.state: the acting home calls these with the failed shard's rows locked for
+its write (ActingHome) and without the store's lock; each takes the lock for what it changes, and calls
+peers without it. The receiving side takes the lock itself and waits for nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ecrec.core.txn import DeltaBatch
+from ecrec.core.update import step_of
+from ecrec.store.state import Busy, NotOwner, StoreState
+from ecrec.wire import InvalidRequest
+
+
+class TwoParity(StoreState):
+    """Both parity records of a failed shard's rows, at their acting home and at the other parity server."""
+
+    # -- the acting home ------------------------------------------------------------------------------------
+    def _failure_key(self, src: int):
+        key = getattr(self.peers, "failure_key", None)
+        return key(src) if key is not None else None
+
+    def _other_parity(self, src: int, local: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
+        """(server, j, parity indices) of the parity record of failed shard src's rows (one stripe slot: one
+        acting home) other than this acting home's, where its server is live; else None."""
+        p = self.placement
+        j = 1 - int(self._acting_parity(src, local[:1])[1][0])
+        server, block = p.parity_of(src, local, j)
+        if self.peers.is_failed(int(server[0])):
+            return None
+        return int(server[0]), j, p.parity_index(j, block)
+
+    def _as_parity(self, d: torch.Tensor, slot: torch.Tensor, j: int) -> torch.Tensor:
+        """P's delta `d` as parity j's (Q's: g^slot times it)."""
+        return self.code.for_parity(d, slot, j) if j else d
+
+    def _align(
+        self, txn: str, src: int, local: torch.Tensor, records: torch.Tensor, versions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Align failed shard src's rows in both parity records (core/cuts.py): where the other record holds
+        a longer prefix of src's updates, this one takes it, and the other is told the rows are aligned, at
+        which version of src's (taking this record's prefix where it is the longer). `records`, `versions`:
+        the rows as this record holds them (decoded); returns them as both hold them now."""
+        key = self._failure_key(src)
+        with self.lock:
+            todo = self.cuts.unaligned(src, key, local)
+        if not bool(todo.any()):
+            return records, versions
+        p = self.placement
+        rows, mine, mv = local[todo], records[todo], versions[todo]
+        slot = p.stripe_of(src, rows)[1]
+        other = self._other_parity(src, local)
+        cut, union = mv, mine
+        if other is not None:
+            server, jo, index = other
+            theirs, tv = self.decode_rows(src, rows, unread=self.shard)
+            newer = tv > mv
+            cut = torch.maximum(mv, tv)
+            union = torch.where(newer.view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
+            union = union.view(torch.float32)
+            if bool(newer.any()):  # this record takes the other's longer prefix
+                j = 1 - jo
+                own = self._acting_index(src, rows[newer])
+                d = self._as_parity(self.code.delta(mine[newer], theirs[newer]), slot[newer], j)
+                fix = DeltaBatch(self.shard, f"{txn}:align", src, own, slot[newer], d, tv[newer])
+                fix.base = mv[newer]
+                with self.lock:
+                    off = self.parity.realign(fix)
+                    self._parity_changed()
+                if bool(off.any()):
+                    raise Busy(f"aligning shard {src}'s rows: this parity record moved since it was read")
+            d = self._as_parity(self.code.delta(theirs, union), slot, jo)
+            b = DeltaBatch(server, f"{txn}:align", src, index[todo], slot, d, cut)
+            b.via, b.base = self.shard, tv
+            err = self.peers.deltas([b], True, self.epoch).get(server)
+            if err is not None and not self.peers.confirm_failed(server):
+                raise Busy(f"aligning shard {src}'s rows at parity server {server}: {err}")
+            with self.lock:
+                self.stats["rows_realigned"] += int((tv != mv).sum())
+        with self.lock:
+            self.cuts.align(src, key, rows, cut)
+        records, versions = records.clone(), versions.clone()
+        records[todo], versions[todo] = union, cut
+        return records, versions
+
+    def _written_already(
+        self, txn: str, src: int, local: torch.Tensor, versions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Rows of a degraded write both parity records hold already: its update reached one of them from
+        src before src failed (`versions`: the ones it took at src), or a former acting home of the rows
+        wrote it and died before answering (its delta reached this record)."""
+        with self.lock:
+            done = self.cuts.came_via(step_of(txn), src, local)
+            if versions is not None:
+                done |= self.cuts.within(src, self._failure_key(src), local, versions)
+        return done
+
+    def _acting_deltas(
+        self, txn: str, src: int, local: torch.Tensor, slot: torch.Tensor, d: torch.Tensor, version
+    ) -> tuple[DeltaBatch, DeltaBatch | None]:
+        """A degraded write's delta batch for this acting home's parity record, and (r = 2, the other's
+        server live) the one for the other record, from P's delta `d`."""
+        own = DeltaBatch(self.shard, txn, src, self._acting_index(src, local), slot, d, version)
+        if self.placement.r == 1:
+            return own, None
+        j = int(self._acting_parity(src, local[:1])[1][0])
+        own.delta = self._as_parity(d, slot, j)
+        other = self._other_parity(src, local)
+        if other is None:
+            return own, None
+        server, jo, index = other
+        forward = DeltaBatch(server, txn, src, index, slot, self._as_parity(d, slot, jo), version)
+        forward.via = self.shard
+        return own, forward
+
+    def _send_forward(self, txn: str, forward: DeltaBatch) -> None:
+        """Deliver a degraded write's delta to the other parity server before the write commits here, the
+        rows still locked (so each reaches it in version order). From the moment it is sent the write is
+        committed, never aborted (`cuts.sent`): the other record may hold it. Busy while a live server has
+        not taken it; the worker commits again, or expiry does."""
+        with self.lock:
+            self.cuts.sent.add(txn)
+        err = self.peers.deltas([forward], True, self.epoch).get(forward.parity_server)
+        if err is not None and not self.peers.confirm_failed(forward.parity_server):
+            raise Busy(f"degraded write {txn}: parity server {forward.parity_server} did not take it: {err}")
+
+    # -- the other parity server ----------------------------------------------------------------------------
+    def _from_acting_home(self, b: DeltaBatch) -> torch.Tensor:
+        """Check a batch an acting home sent (`via`) for failed shard b.src's rows; their local rows."""
+        self.check_deltas(b)
+        if b.via < 0 or b.via == self.shard or not 0 <= b.via < self.ctx.num_servers:
+            raise InvalidRequest(f"via: {b.via} is not another server")
+        if not self.peers.is_failed(b.src):
+            raise NotOwner(f"shard {b.src} is not failed in this server's map (epoch {self.epoch}) yet")
+        if self.peers.is_failed(b.via):
+            raise NotOwner(f"shard {b.via} is failed in this server's map: it acts for nobody")
+        return self.placement.parity_slot(b.index)[1] * self.placement.k + b.slot
+
+    def realign(self, b: DeltaBatch) -> None:
+        """The acting home aligned failed shard b.src's rows: this record's prefix of src's updates becomes
+        the union (the delta is zero where it is already), src's held deltas of the rows are dropped (every
+        delta of src is refused from now on), and the rows' cut is remembered. Busy if some record is no
+        longer at the base the acting home read."""
+        if b.base is None:
+            raise InvalidRequest("realign: a base version for every row")
+        rows = self._from_acting_home(b)
+        with self.lock:
+            if self.logged:
+                self._settle_src(b.src)
+            off = self.parity.realign(b)
+            self._parity_changed()
+            if not bool(off.any()):
+                self.cuts.align(b.src, self._failure_key(b.src), rows, b.version)
+        if bool(off.any()):
+            raise Busy(
+                f"realign: {int(off.sum())} records of shard {b.src}'s rows changed since they were read"
+            )
+
+    def apply_forward(self, b: DeltaBatch) -> None:
+        """A degraded write's delta from the acting home of failed shard b.src's rows: each row at its next
+        version (the acting home sends them in order, the rows locked). A repeat (its answer was lost) is
+        applied once. Remembered by worker step, for this server's turn as acting home (`cuts.via`)."""
+        rows = self._from_acting_home(b)
+        with self.lock:
+            flat = self.parity.pver.view(-1)
+            now = flat.index_select(0, b.index * self.placement.k + b.slot)
+            if bool((now == b.version).all()):
+                return  # applied before
+            if not bool((now == b.version - 1).all()):
+                raise Busy(f"forward {b.txn}: rows of shard {b.src} are not at the version before")
+            self.parity.apply(b)
+            self.cuts.applied_via(step_of(b.txn), b.src, rows)
+            self._parity_changed()

@@ -1,0 +1,246 @@
+"""Degraded mode with two parity records per stripe (r = 2, issue #30), in the servers' stores: reads of a
+failed shard's rows at their acting home (the first live parity server: P's, or Q's where P's is failed too),
+degraded writes that change the acting home's parity record and send the other one its delta, and the
+realignment of the two records where a failure split a delivery between them. Over tests/netsim.py's stores
+and the worker's real DeltaLogDriver (tests/nettransport.py); every result is compared, bit for bit, with the
+same updates applied to a job that never failed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ecrec.delivery import DeltaLogDriver
+from tests.netsim import Net, Worker, assert_parity_ok, bits, dense_replica_mismatches
+from tests.nettransport import NetTransport, apply, dense_grad, rows_and_grads
+from tests.test_store_r2 import N, ecrec_job
+
+
+def reference(deliveries: str, steps: int) -> Net:
+    """The same single worker's `steps` steps on a job that never fails."""
+    net = Net(ecrec_job(deliveries))
+    driver = DeltaLogDriver(NetTransport(net))
+    for i in range(1, steps + 1):
+        apply(driver, f"w0-{i}", i)
+    driver.flush_decisions()
+    return net
+
+
+def lost_rows(net: Net, ref: Net, shards) -> dict:
+    """What the failed shards' rows must be: the reference's records and versions."""
+    return {s: (ref[s].rows.records, ref[s].rows.versions) for s in shards}
+
+
+def assert_dense_like(net: Net, ref: Net) -> None:
+    """Every dense chunk has r + 1 = 3 replicas; the live ones are bit-identical to the reference's."""
+    for c in range(net.ctx.num_servers):
+        holders = net.ctx.dense_holders(c)
+        assert len(holders) == 3
+        for h in holders:
+            if not net.is_failed(h):
+                assert torch.equal(bits(net[h].dense.records[c]), bits(ref[holders[0]].dense.records[c])), (
+                    c,
+                    h,
+                )
+    assert dense_replica_mismatches(net) == 0
+
+
+def degraded_pull_all(net: Net, s: int) -> torch.Tensor:
+    """Every row of shard s read through its acting homes (DegradedPull), in local row order."""
+    p = net.ctx.placement
+    return Worker(net).pull(p.global_id(s, torch.arange(p.rows_on(s))))
+
+
+def test_the_acting_home_is_the_first_live_parity_server():
+    p = ecrec_job().placement
+    local = torch.arange(p.rows_on(1))
+    (ps, _), (qs, _) = (p.parity_of(1, local, j) for j in range(2))
+    server, j = p.acting_parity(1, local, {1})
+    assert torch.equal(server, ps) and not bool(j.any())
+    down = int(ps[0])  # P of some rows (those at one stripe slot) is failed too: Q's server acts for them
+    server, j = p.acting_parity(1, local, {1, down})
+    assert torch.equal(server, torch.where(ps == down, qs, ps))
+    assert torch.equal(j, (ps == down).to(torch.int64))
+
+
+@pytest.mark.parametrize("victims", [(s,) for s in range(N)] + [(1, 0), (1, 5), (2, 4), (0, 3)])
+def test_degraded_reads_of_one_or_two_lost_shards_are_exact(victims):
+    steps = 3
+    ref = reference("ride", steps)
+    net = reference("ride", steps)  # the same job, then the victims fail
+    for s in victims:
+        net.kill(s)
+    for s in victims:
+        want = ref[s].rows.records[:, : net.ctx.dim]
+        assert torch.equal(bits(degraded_pull_all(net, s)), bits(want)), f"shard {s} of {victims}"
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("victim", [1, 3])
+def test_degraded_writes_keep_p_and_q_exact(deliveries, victim):
+    """Shard `victim` fails after two steps; three more steps write its rows at their acting homes (rows of
+    every stripe slot: four acting homes, each sending the other parity server its delta)."""
+    steps = 5
+    net = Net(ecrec_job(deliveries))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    for i in range(1, steps + 1):
+        if i == 3:
+            net.kill(victim)
+        g, grads = rows_and_grads(net.ctx, i, shard=victim)
+        driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
+    driver.flush_decisions()
+    assert transport.degraded_writes > 0
+    ref2 = Net(ecrec_job(deliveries))
+    d2 = DeltaLogDriver(NetTransport(ref2))
+    for i in range(1, steps + 1):
+        g, grads = rows_and_grads(ref2.ctx, i, shard=victim)
+        d2.apply(f"w0-{i}", g, grads, dense_grad(ref2.ctx))
+    d2.flush_decisions()
+    # both parity records of every stripe equal encode(the reference's rows), the lost shard's included
+    assert_parity_ok(net, lost_rows(net, ref2, [victim]))
+    assert torch.equal(
+        bits(degraded_pull_all(net, victim)), bits(ref2[victim].rows.records[:, : net.ctx.dim])
+    )
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("cut_at", [0, 2, 3, 4, 5])
+def test_a_failure_that_splits_a_delivery_between_p_and_q_loses_and_repeats_nothing(deliveries, cut_at):
+    """Shard 1 dies while its step's deltas are being delivered: the parity servers before `cut_at` (in the
+    order the worker reaches them) applied them, the others refuse them. Rows at stripe slots whose P took the
+    delta and Q did not (and the other way round) exist for most cuts; either way every update is applied once
+    — the first live parity server's record holds, the other is realigned to it — and the lost rows, and P
+    and Q of every stripe, come out bit-identical to a job that never failed."""
+    victim, steps = 1, 5
+    net = Net(ecrec_job(deliveries))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    method = "deliver_early" if deliveries == "ride" else "deliver"
+    killed, reached = [], []  # reached: parity servers that took the deltas before the failure
+
+    def cut(call) -> None:
+        if killed or call.caller == victim:
+            return
+        if call.server >= cut_at:
+            killed.append(call.server)
+            net.kill(victim)
+        else:
+            reached.append(call.server)
+
+    for i in range(1, steps + 1):
+        if i == 3:  # the deltas of step 2 (riding on step 3's stages) or of step 3 (in a round of their own)
+            net.hooks.append(
+                lambda call: cut(call) if call.method == method and call.phase == "before" else None
+            )
+        g, grads = rows_and_grads(net.ctx, i, shard=victim)
+        driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
+    driver.flush_decisions()
+    assert killed, "the failure was never injected"
+    ref = Net(ecrec_job(deliveries))
+    d2 = DeltaLogDriver(NetTransport(ref))
+    for i in range(1, steps + 1):
+        g, grads = rows_and_grads(ref.ctx, i, shard=victim)
+        d2.apply(f"w0-{i}", g, grads, dense_grad(ref.ctx))
+    d2.flush_decisions()
+    assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
+    assert_parity_ok(net, lost_rows(net, ref, [victim]))
+    for s in net.stores:  # the other shards' rows, untouched by the failure
+        assert torch.equal(bits(net[s].rows.records), bits(ref[s].rows.records))
+    # Rows of the slots whose P took the deltas and Q did not (or the other way round) were realigned, and no
+    # others: three rows per slot (rows_and_grads).
+    p = net.ctx.placement
+    slots = torch.arange(p.k)  # the victim's rows at slot i have local row i: P on (1 - i + k) mod N, Q next
+    took = [
+        torch.isin(p.parity_of(victim, slots, j)[0], torch.tensor(reached, dtype=torch.int64))
+        for j in range(2)
+    ]
+    split = int((took[0] != took[1]).sum())
+    assert sum(net[s].stats["rows_realigned"] for s in net.stores) == 3 * split
+
+
+def run_steps(deliveries: str, victim: int, steps: int, before=None) -> tuple[Net, NetTransport]:
+    """A single worker's steps writing `victim`'s rows (rows_and_grads); `before(i, net)` runs before step i."""
+    net = Net(ecrec_job(deliveries))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    for i in range(1, steps + 1):
+        if before is not None:
+            before(i, net)
+        g, grads = rows_and_grads(net.ctx, i, shard=victim)
+        driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
+    driver.flush_decisions()
+    return net, transport
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("nth", [1, 2], ids=["after-its-align", "after-its-forward"])
+def test_an_acting_home_that_dies_mid_write_hands_its_rows_to_the_other_parity_server(deliveries, nth):
+    """Two failures at once: shard 1 fails, then the acting home of some of its rows (P's server) dies in the
+    middle of its first degraded write — once the other parity server took the rows' alignment, or also the
+    write's delta. The worker writes the rows again at the other parity server (Q's, now their acting home),
+    which applies what it has not got and skips what it has: nothing lost, nothing applied twice."""
+    victim, steps = 1, 5
+    p = ecrec_job().placement
+    home = int(p.parity_of(victim, torch.tensor([0]), 0)[0][0])  # P's server of the victim's slot-0 rows
+    other = int(p.parity_of(victim, torch.tensor([0]), 1)[0][0])
+
+    def before(i: int, net: Net) -> None:
+        if i == 3:
+            net.kill(victim)
+            net.on("receive_deltas", lambda _c: net.kill(home), caller=home, phase="after", nth=nth)
+
+    net, transport = run_steps(deliveries, victim, steps, before)
+    assert net.is_failed(home) and transport.degraded_writes > 0
+    ref, _ = run_steps(deliveries, victim, steps)
+    assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
+    assert_parity_ok(net, lost_rows(net, ref, [victim, home]))
+    assert_dense_like(net, ref)
+    # the write's delta had reached Q (nth == 2): Q remembers it came from the acting home, and the retry skipped it
+    assert bool(net[other].cuts.via) == (nth == 2)
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("nth", [1, 2], ids=["at-its-align", "at-its-forward"])
+def test_the_other_parity_server_dying_mid_write_leaves_the_acting_home_exact(deliveries, nth):
+    """Two failures at once, the other way round: shard 1 fails, then the other parity server (Q's) of some
+    of its rows dies as their acting home aligns them or sends it a write's delta. The acting home goes on
+    alone (Q's records are re-encoded when it is rebuilt); its record keeps every update exactly once."""
+    victim, steps = 1, 5
+    p = ecrec_job().placement
+    home = int(p.parity_of(victim, torch.tensor([0]), 0)[0][0])
+    other = int(p.parity_of(victim, torch.tensor([0]), 1)[0][0])
+
+    def before(i: int, net: Net) -> None:
+        if i == 3:
+            net.kill(victim)
+            net.on("receive_deltas", lambda _c: net.kill(other), caller=home, server=other, nth=nth)
+
+    net, _ = run_steps(deliveries, victim, steps, before)
+    assert net.is_failed(other)
+    ref, _ = run_steps(deliveries, victim, steps)
+    assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
+    assert_parity_ok(net, lost_rows(net, ref, [victim, other]))
+    assert_dense_like(net, ref)
+
+
+@pytest.mark.parametrize("victim", [1, 4])
+def test_under_row_locks_p_and_q_stay_exact_through_a_failure(victim):
+    """commit: rowLocks (the paper's two-phase commit) with r = 2: a part stages P's and Q's deltas — two
+    batches at a server that is P of some of its rows and Q of others — and commits them; after the failure
+    degraded writes go to the acting homes, which send the other parity server its delta at commit."""
+
+    def run(kill: bool) -> Net:
+        net = Net(ecrec_job(commit="rowLocks"))
+        worker = Worker(net)
+        for i in range(1, 6):
+            if kill and i == 3:
+                net.kill(victim)
+            g, grads = rows_and_grads(net.ctx, i, shard=victim)
+            worker.update(f"w0-{i}", g, grads, dense_grad(net.ctx))
+        return net
+
+    net, ref = run(True), run(False)
+    assert_parity_ok(ref)
+    assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
+    assert_parity_ok(net, lost_rows(net, ref, [victim]))
