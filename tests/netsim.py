@@ -142,6 +142,10 @@ class LocalPeers:
     def failure_key(self, server: int) -> int:
         return self.net.incarnation[server]
 
+    def is_recovering(self, server: int) -> bool:
+        store = self.net.stores.get(server)
+        return store is not None and store.replacement and not store.recovery_done()
+
 
 class Net:
     """One ShardStore per shard id, a cluster map (failed shards, incarnations, epoch) and the wires."""

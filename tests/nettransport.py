@@ -137,8 +137,8 @@ class NetTransport:
         hook = self.before_deliver.pop(shard, None)
         if hook is not None:
             hook()
-        store = self.net[shard]
-        if req.epoch < store.epoch:
+        store = self.net.stores.get(shard)  # (a dead one: the call below fails as a connection would)
+        if store is not None and req.epoch < store.epoch:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {req.epoch}")
         batches = self._batches(shard, req.batches)
         if req.early:

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from ecrec.delivery import DeltaLogDriver
-from tests.netsim import Net, Worker, assert_parity_ok, bits, dense_replica_mismatches
+from tests.netsim import (
+    WORKER,
+    Net,
+    Worker,
+    assert_parity_ok,
+    assert_same_model,
+    bits,
+    dense_replica_mismatches,
+    logical_model,
+)
 from tests.nettransport import NetTransport, apply, dense_grad, rows_and_grads
 from tests.test_store_r2 import N, ecrec_job
 
@@ -244,3 +253,99 @@ def test_under_row_locks_p_and_q_stay_exact_through_a_failure(victim):
     assert_parity_ok(ref)
     assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
     assert_parity_ok(net, lost_rows(net, ref, [victim]))
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("cut_at", [0, 3, 5])
+@pytest.mark.parametrize("at_once", [True, False], ids=["replaced-at-once", "replaced-later"])
+def test_a_replacement_rebuilds_the_union_of_both_records_and_skips_what_it_found(
+    deliveries, cut_at, at_once
+):
+    """Shard 1 dies while its step's deltas are delivered (the split of the tests above), and a replacement
+    registers — at once, so that the refused rows are written again at the replacement, which rebuilds them
+    on demand; or after two steps of degraded writes. The replacement rebuilds its rows from both parity
+    records (the longer prefix of the dead incarnation's updates: each record is realigned to it) and skips
+    a rewrite of an update it found. The model and P and Q of every stripe end bit-identical to a job that
+    never failed."""
+    victim, steps = 1, 5
+    done = []
+
+    def before(i: int, net: Net) -> None:
+        method = "deliver_early" if deliveries == "ride" else "deliver"
+
+        def cut(call) -> None:
+            if not done and call.caller != victim and call.method == method and call.phase == "before":
+                if call.server >= cut_at:
+                    done.append(call.server)
+                    if not at_once:
+                        net.kill(victim)
+                        return
+                    net.replace(victim)
+                    net.call(WORKER, victim, "copy_dense")  # (the coordinator's first recovery step)
+
+        if i == 3:
+            net.hooks.append(cut)
+        if i == 5 and not at_once:
+            net.replace(victim)
+        if i == 5 or (i == 4 and at_once):
+            net.recover(victim, lock_group_rows=64)
+
+    net, _ = run_steps(deliveries, victim, steps, before)
+    assert done
+    ref, _ = run_steps(deliveries, victim, steps)
+    assert net[victim].recovery_done()
+    assert_same_model(logical_model(net), logical_model(ref))
+    assert_parity_ok(net)
+
+
+def recover_together(net: Net, shards: list[int], lock_group_rows: int = 64) -> None:
+    """The coordinator's recovery plans of several replacements side by side: dense chunks, then every data
+    lock group, then every parity group (a parity re-encode reads members another replacement rebuilds)."""
+    for s in shards:
+        net.call(WORKER, s, "copy_dense")
+    for kind in ("rebuild_rows", "rebuild_parity"):
+        for s in shards:
+            n = net[s].num_rows if kind == "rebuild_rows" else net[s].parity.parity.shape[0]
+            for lo in range(0, n, lock_group_rows):
+                net.call(WORKER, s, kind, torch.arange(lo, min(n, lo + lock_group_rows)))
+
+
+@pytest.mark.parametrize("deliveries", ["ride", "own"])
+@pytest.mark.parametrize("pair", [(1, 2), (1, 5), (0, 3)])
+def test_two_shards_lost_at_the_same_step_are_written_degraded_then_rebuilt_together(deliveries, pair):
+    """Two servers killed at the same step: their rows are read and written at their acting homes (P's, or
+    Q's where P's server is one of the two; a stripe with both lost members decodes from P and Q together),
+    then two replacements register and are rebuilt side by side. Every row the worker writes belongs to the
+    two lost shards; the model and P and Q of every stripe end bit-identical to a job that never failed."""
+    a, b = pair
+    steps = 6
+
+    def rows(ctx, i):
+        ga, grads_a = rows_and_grads(ctx, i, shard=a)
+        gb, grads_b = rows_and_grads(ctx, 100 + i, shard=b)
+        return torch.cat([ga, gb]), torch.cat([grads_a, grads_b])
+
+    def run(fail: bool) -> tuple[Net, NetTransport]:
+        net = Net(ecrec_job(deliveries))
+        transport = NetTransport(net)
+        driver = DeltaLogDriver(transport)
+        for i in range(1, steps + 1):
+            if fail and i == 3:
+                net.kill(a)
+                net.kill(b)
+            if fail and i == 5:
+                net.replace(a)
+                net.replace(b)
+                recover_together(net, [a, b])
+            g, grads = rows(net.ctx, i)
+            driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
+        driver.flush_decisions()
+        return net, transport
+
+    net, transport = run(True)
+    ref, _ = run(False)
+    assert transport.degraded_writes > 0
+    assert all(net[s].recovery_done() for s in pair)
+    assert_same_model(logical_model(net), logical_model(ref))
+    assert_parity_ok(net)
+    assert_dense_like(net, ref)

@@ -294,7 +294,13 @@ class DeltaLogDriver:
         for server in sorted(undelivered):  # (in the log and in Stalled's reason: a delivery that never ends)
             retries.note(server, "DeliverDeltas", errors.get(server, "no answer"))
         unanswered = []
+        # One part's deltas may come in several entries (one per parity server it waits for): its rows are
+        # judged on all of them together — a row of r = 2 has two parity servers, and the answer of one is
+        # not the row's.
+        by_part: dict[int, tuple[Part, list]] = {}
         for part, deltas in staged:
+            by_part.setdefault(id(part), (part, []))[1].extend(deltas)
+        for part, deltas in by_part.values():
             asked = {d.parity_server for d in deltas}
             late = undelivered & asked
             mine = [(server, idx) for (txn, server), idx in refused.items() if txn == part.txn]
@@ -315,9 +321,8 @@ class DeltaLogDriver:
                 answered = scope & ~wait & ~refused_rows
                 update.rows_applied(part, answered)  # what is left of the answered rows: applied
                 update.rows_unanswered(part, scope & ~wait, waiting=False)  # refused: planned again
-                if bool(refused_rows.any()):  # (a part's deltas may come in several entries)
-                    mine_all = [d for q, ds in staged if q is part for d in ds]
-                    update.rows_refused(part, refused_rows, took(p, g[part.pos], mine_all))
+                if bool(refused_rows.any()):
+                    update.rows_refused(part, refused_rows, took(p, g[part.pos], deltas))
                 if late:
                     update.rows_unanswered(part, wait)
                     unanswered.append((part, [d for d in deltas if d.parity_server in late]))
@@ -366,7 +371,7 @@ class DeltaLogDriver:
             carried=carried,
             ask=asks,
         )
-        if part.versions is not None:  # a degraded write of rows a parity server refused (r = 2)
+        if part.versions is not None:  # rows a parity server refused, written again (r = 2)
             req.versions = ids_to_bytes(part.versions)
         return self.client.call(part.target, "Stage", req)
 

@@ -190,6 +190,10 @@ class GrpcPeers:
         """Which failure of `server` this is: its incarnation, bumped by every replacement."""
         return int(self.view.shard(server).get("incarnation", 0))
 
+    def is_recovering(self, server: int) -> bool:
+        """A replacement whose records are being rebuilt (r = 2: not read by a decode that can do without)."""
+        return self.view.shard(server).get("state") == "recovering"
+
 
 def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.DeltaRequest:
     """One part's deltas for one parity server, as raw bytes."""
@@ -213,12 +217,12 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
 
 
 def stage_versions(request: pb.StageRequest, n: int) -> torch.Tensor | None:
-    """A degraded write's `versions` (r = 2: what each row's update took at its failed data server)."""
+    """A rewrite's `versions` (r = 2: what each row's update took at its failed data server)."""
     if not request.HasField("versions"):
         return None
     versions = bytes_to_ids(request.versions, "versions")
-    if request.src == -1 or versions.numel() != n:
-        raise InvalidRequest("versions: one per row, for a degraded write only")
+    if versions.numel() != n:
+        raise InvalidRequest("versions: one per row")
     return versions
 
 

@@ -45,7 +45,7 @@ class Cuts:
     def __init__(self, rows_on) -> None:
         self.rows_on = rows_on
         self.by_src: dict[int, SrcCuts] = {}
-        self.forwards: dict[str, DeltaBatch] = {}
+        self.forwards: dict[str, list[DeltaBatch]] = {}
         # txns whose forward was sent (it may have been applied): committed, never aborted
         self.sent: set[str] = set()
         self.via: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
@@ -88,10 +88,11 @@ class Cuts:
 
     def within(self, src: int, key, rows: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
         """Rows aligned whose update at the dead server took `versions` (0: it never got there) that both
-        records reflect already."""
-        if key is None:
+        records reflect already. (Also a replacement's own rows, aligned as it rebuilt them: `key` its own
+        incarnation.)"""
+        c = self.by_src.get(src)
+        if key is None or c is None or c.key != key:
             return torch.zeros(rows.numel(), dtype=torch.bool)
-        c = self._of(src, key)
         return c.aligned[rows] & (versions > 0) & (versions <= c.cut[rows])
 
     def forgotten(self, src: int) -> None:

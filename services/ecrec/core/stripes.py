@@ -58,7 +58,11 @@ class Read:
 
 
 class SecondFailure(Exception):
-    """A parity record this decode needs is not rebuilt: its server is a replacement too."""
+    """A parity record this decode needs is not rebuilt: its server (`server`) is a replacement too."""
+
+    def __init__(self, message: str, server: int = -1) -> None:
+        super().__init__(message)
+        self.server = server
 
 
 class StripesLost(Exception):
@@ -94,6 +98,18 @@ def members_of(p: Placement, pserver: torch.Tensor, pindex: torch.Tensor):
         s, loc, pr = p.stripe_members(server, pindex[pos])
         shards[pos], locs[pos], present[pos] = s, loc, pr
     return shards, locs, present
+
+
+def other_member_lost(p: Placement, src: int, local: torch.Tensor, down: Collection[int]) -> torch.Tensor:
+    """Rows of shard src whose stripe has another real member on a `down` server: with r = 2 such a row
+    decodes only from P and Q together, and its two parity records cannot be told apart (ecrec.core.cuts)."""
+    pserver, pindex = p.parity_of(src, local)
+    shards, _locs, present = members_of(p, pserver, pindex)
+    others = present.clone()
+    others[torch.arange(local.numel()), p.stripe_of(src, local)[1]] = False
+    lost = torch.zeros(p.num_servers, dtype=torch.bool)
+    lost[sorted(set(down) - {src})] = True
+    return (others & lost[shards]).any(dim=1)
 
 
 def _member_reads(shards, locs, want, src: int) -> tuple[list[Read], list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -178,7 +194,9 @@ class StripeDecode:
         parity = len(self._parity)
         for read, (ri, jj), res in zip(self.reads[:parity], self._parity, results[:parity], strict=True):
             if res.ready is not None and not bool(res.ready.all()):
-                raise SecondFailure(f"parity record on shard {read.server} not rebuilt: a second failure")
+                raise SecondFailure(
+                    f"parity record on shard {read.server} not rebuilt: a second failure", read.server
+                )
             j = jj if read.j is not None else 0  # all P: plain row indexing, the cheaper copy
             self._records[p.k + j, ri] = res.records
             pvers[j, ri] = res.versions

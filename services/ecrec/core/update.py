@@ -104,8 +104,9 @@ class Part:
     txn: str = ""  # "<step>/<target>.<src>.<attempt>": the servers recover the step from it
     epoch: int = 0  # the map epoch the part was planned under; its stage claims no newer map
     incarnation: int = 0  # the target's incarnation in that map
-    # A degraded write (r = 2): the version each row's update took at the failed shard before it failed (0:
-    # never got there): the acting home skips rows both parity records hold already.
+    # Rows a parity server refused, written again (r = 2): the version each row's update took at the failed
+    # incarnation (0: never got there). The acting home, or the replacement that rebuilt the rows, skips the
+    # rows both parity records hold already.
     versions: torch.Tensor | None = None
 
 
@@ -229,8 +230,9 @@ class StepUpdate:
                     sub = pos[pservers == ps]
                     took = self.versions[sub]
                     parts[(ps, s)] = Part(ps, s, sub, versions=took if bool(took.any()) else None)
-            else:
-                parts[(s, -1)] = Part(s, -1, pos)
+            else:  # (a replacement skips rows whose refused update its rebuild found: Part.versions)
+                took = self.versions[pos]
+                parts[(s, -1)] = Part(s, -1, pos, versions=took if bool(took.any()) else None)
         empty = torch.empty(0, dtype=torch.int64)
         for c, holders in self.dense_todo(view).items():
             for h in holders:

@@ -74,6 +74,8 @@ class LoggedUpdates(StoreState):
             self._admit(dense, epoch)
             # Only a recovery lock group locks rows under deltaLog: it finishes on its own.
             self._wait(lambda: not self.rows.locks.busy(local, txn), "rows being rebuilt")
+            n = local.numel()
+            local, grads = self._not_rebuilt_with(local, grads, versions)
             batches = self.rows.apply(txn, local, grads)
             step = step_of(txn)
             self.dense.stage(txn, step, dense)
@@ -83,11 +85,11 @@ class LoggedUpdates(StoreState):
             incarnation = self._incarnation(self.shard)
             for b in batches:
                 b.incarnation = incarnation
-            self.deltalog.add(txn, local.numel(), batches, self.clock())
+            self.deltalog.add(txn, n, batches, self.clock())
             self._remember(txn, "committed")
             self.cond.notify_all()
         fault_point("stage:after_local")
-        return local.numel(), list(batches)
+        return n, list(batches)
 
     def _write_acting(
         self, txn: str, src: int, local: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor | None

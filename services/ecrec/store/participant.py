@@ -113,10 +113,12 @@ class Participant(StoreState):
             self._admit(dense, epoch)
             if txn not in self.rows.staged:
                 self._wait_rows(self.rows.locks, local, txn, "rows staged by another txn", lone)
+            n = local.numel()
+            local, grads = self._not_rebuilt_with(local, grads, versions)
             part = self.rows.stage(txn, local, grads, self.clock())  # a retried stage gets the same part
             self.dense.stage(txn, step_of(txn), dense)
         fault_point("stage:after_local")
-        return Staged(local.numel(), list(part.batches))
+        return Staged(n, list(part.batches))
 
     def _stage_acting(
         self,
@@ -179,12 +181,13 @@ class Participant(StoreState):
         new = self.opt.apply(old, grads)
         slot = self.placement.stripe_of(src, local)[1]
         d = self.code.delta(old, new)  # P's; Q's is g^slot times it (PQCode.for_parity)
-        own, forward = self._acting_deltas(txn, src, local, slot, d, vers + 1)
+        own, forwards = self._acting_deltas(txn, src, local, slot, d, vers + 1)
         with self.lock:
-            self.parity.stage(own)
+            for b in own:
+                self.parity.stage(b)
             self.acting.stage(txn, src, local, new, vers + 1, self.clock())
-            if forward is not None:  # the other parity record's delta: delivered before the write commits
-                self.cuts.forwards[txn] = forward
+            if forwards:  # the other parity records' deltas: delivered before the write commits
+                self.cuts.forwards[txn] = forwards
             self.stats["degraded_rows"] += local.numel()
         fault_point("acting:after_stage")
         return n
@@ -205,9 +208,9 @@ class Participant(StoreState):
         chunks) and release the rows. The worker then tells the parity servers; a parity server that never
         hears asks here (outcome)."""
         with self.lock:
-            forward = None if txn in self.outcomes else self.cuts.forwards.get(txn)
-        if forward is not None:  # r = 2, a degraded write: the other parity record takes its delta first
-            self._send_forward(txn, forward)
+            forwards = None if txn in self.outcomes else self.cuts.forwards.get(txn)
+        if forwards:  # r = 2, a degraded write: the other parity records take its deltas first
+            self._send_forward(txn, forwards)
         with self.lock:
             if txn in self.outcomes:
                 return self.outcomes[txn]

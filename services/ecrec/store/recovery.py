@@ -102,18 +102,31 @@ class Recovery(StoreState):
         # Only the replacement rebuilding its own rows must wait for src's in-flight updates to settle; a
         # degraded read or write at the acting home reads committed state (and holds the row lock itself).
         wait = src if src == self.shard or unread >= 0 else -1
-        failed = [s for s in range(self.ctx.num_servers) if s != src and self.peers.is_failed(s)]
-        try:
-            plan = StripeDecode(self.placement, src, local, wait, failed + ([unread] if unread >= 0 else []))
-        except StripesLost as e:
-            raise PeerFailed(-1, str(e)) from e
+        down = {s for s in range(self.ctx.num_servers) if s != src and self.peers.is_failed(s)}
+        down |= {unread} if unread >= 0 else set()
+
+        def plan_for(rows: torch.Tensor) -> StripeDecode:
+            try:
+                return StripeDecode(self.placement, src, rows, wait, down)
+            except StripesLost as e:
+                raise PeerFailed(-1, str(e)) from e
+
+        plan = plan_for(local)
         for _attempt in range(CONSISTENT_READ_TRIES):
             try:
                 decoded, versions, consistent = plan.decode(
                     self.code, self.ctx.record_width, self._read_many(plan.reads)
                 )
-            except SecondFailure as e:
-                raise PeerFailed(-1, str(e)) from e
+            except (SecondFailure, PeerFailed) as e:
+                # r = 2: a server that cannot answer (a replacement whose records are not rebuilt, or one
+                # that died since the map said otherwise) is one more record lost: decode without it
+                if self.placement.r == 1 or e.server < 0 or e.server in down:
+                    if isinstance(e, SecondFailure):
+                        raise PeerFailed(-1, str(e)) from e
+                    raise
+                down.add(e.server)
+                plan = plan_for(local[todo])
+                continue
             if self.logged and self.code.exact and not bool(consistent.all()):
                 # members ahead of their parity by undelivered deltas: read them as of what it reflects
                 again = plan.catch_up()
@@ -233,6 +246,8 @@ class Recovery(StoreState):
             loads = self.loads
         try:
             recs, vers = self.decode_rows(self.shard, todo)
+            if self.placement.r == 2:  # both parity records to the union of the lost rows' prefixes
+                recs, vers = self._align_rebuilt(todo, recs, vers)
             fault_point("recover:mid_group")
             with self.lock:
                 if self.loads != loads:  # a checkpoint was loaded meanwhile: its rows stand
@@ -240,6 +255,8 @@ class Recovery(StoreState):
                 self.rows.records[todo] = recs
                 self.rows.versions[todo] = vers
                 self.row_ready[todo] = True
+                if self.placement.r == 2:  # a worker's rewrite of an update within the cut is skipped
+                    self.cuts.align(self.shard, self._failure_key(self.shard), todo, vers)
                 self.stats["rows_recovered"] += todo.numel()
         finally:
             with self.lock:
@@ -258,14 +275,20 @@ class Recovery(StoreState):
             self.parity_rebuilding[index] = True
             loads = self.loads
         try:
-            plan = StripeEncode(
-                self.placement, self.shard, index
-            )  # its reads wait for staged rows: read_rows
-            records, vers = plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads))
+            p = self.placement
+            js, blocks = p.parity_slot(index)
+            done = []
+            for j in js.unique().tolist():  # (r = 2: P's records and Q's, of different stripes)
+                at = js == j
+                plan = StripeEncode(p, self.shard, blocks[at], j)  # its reads wait for staged rows: read_rows
+                done.append(
+                    (index[at], *plan.encode(self.code, self.ctx.record_width, self._read_many(plan.reads)))
+                )
             with self.lock:
                 if self.loads != loads:  # a checkpoint was loaded meanwhile: its parity stands
                     return 0
-                self.parity.install(index, records, vers)
+                for at, records, vers in done:
+                    self.parity.install(at, records, vers)
         finally:
             with self.lock:
                 self.parity_rebuilding[index] = False
@@ -283,10 +306,7 @@ class Recovery(StoreState):
                 self.dense_copying_in.add(c)
                 loads = self.loads
             try:
-                others = [h for h in self.ctx.dense_holders(c) if h != self.shard]
-                live = [h for h in others if not self.peers.is_failed(h)]  # (r = 2: three replicas)
-                other = (live or others)[0]
-                recs, txns = self.peers.dense_copy(other, c, self.epoch)
+                recs, txns = self._copy_from_a_replica(c)
                 with self.lock:
                     if self.loads != loads:  # a checkpoint was loaded meanwhile: its chunks stand
                         return n
@@ -298,10 +318,24 @@ class Recovery(StoreState):
             n += recs.shape[0]
         return n
 
+    def _copy_from_a_replica(self, c: int) -> tuple[torch.Tensor, list[str]]:
+        """Dense chunk c from the first of its other replicas that has it (r = 2: three replicas, one of which
+        may be failed or a replacement that has not copied it yet)."""
+        others = [h for h in self.ctx.dense_holders(c) if h != self.shard]
+        live = [h for h in others if not self.peers.is_failed(h)] or others
+        for h in live[:-1]:
+            try:
+                return self.peers.dense_copy(h, c, self.epoch)
+            except PeerFailed:
+                continue
+        return self.peers.dense_copy(live[-1], c, self.epoch)
+
     def serve_dense_copy(self, chunk: int, epoch: int) -> tuple[torch.Tensor, list[str]]:
         """The surviving replica's side of copy_dense: from now on reject dense stages older than `epoch`."""
         self._chunk(chunk)
         with self.lock:
+            if not self.dense.ready[chunk]:  # a replacement replica itself (r = 2): ask another
+                raise NotOwner(f"dense chunk {chunk} is not copied to shard {self.shard} yet")
             # New stages of the chunk wait from here, so the ones in flight can drain.
             self.dense.begin_copy(chunk, epoch)
             try:

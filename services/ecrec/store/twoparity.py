@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ecrec.core.stripes import other_member_lost
 from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import step_of
+from ecrec.store.peers import PeerFailed
 from ecrec.store.state import Busy, NotOwner, StoreState
 from ecrec.wire import InvalidRequest
 
@@ -26,15 +28,34 @@ class TwoParity(StoreState):
         key = getattr(self.peers, "failure_key", None)
         return key(src) if key is not None else None
 
-    def _other_parity(self, src: int, local: torch.Tensor) -> tuple[int, int, torch.Tensor] | None:
-        """(server, j, parity indices) of the parity record of failed shard src's rows (one stripe slot: one
-        acting home) other than this acting home's, where its server is live; else None."""
+    def _down(self) -> set[int]:
+        """Servers whose records no decode can read: failed in this server's map, or replacements that have
+        not rebuilt them (their state says recovering)."""
+        recovering = getattr(self.peers, "is_recovering", lambda _s: False)
+        return {
+            s
+            for s in range(self.ctx.num_servers)
+            if self.peers.is_failed(s) or (s != self.shard and recovering(s))
+        }
+
+    def _groups(self, src: int, local: torch.Tensor) -> list[tuple[torch.Tensor, int, tuple | None]]:
+        """Failed shard src's rows `local` at this acting home by the parity record it holds of them: as P
+        (j = 0) of one stripe slot's rows, and as Q (j = 1) of another slot's rows whose P server is failed
+        too. Each group: (positions in `local`, j, (server, j, parity indices) of the rows' other parity
+        record where its server is live, else None)."""
         p = self.placement
-        j = 1 - int(self._acting_parity(src, local[:1])[1][0])
-        server, block = p.parity_of(src, local, j)
-        if self.peers.is_failed(int(server[0])):
-            return None
-        return int(server[0]), j, p.parity_index(j, block)
+        js = self._acting_parity(src, local)[1]
+        out = []
+        for j in js.unique().tolist():
+            at = (js == j).nonzero().squeeze(1)
+            server, block = p.parity_of(src, local[at], 1 - j)  # one slot per group: one server
+            other = (
+                None
+                if self.peers.is_failed(int(server[0]))
+                else (int(server[0]), 1 - j, p.parity_index(1 - j, block))
+            )
+            out.append((at, j, other))
+        return out
 
     def _as_parity(self, d: torch.Tensor, slot: torch.Tensor, j: int) -> torch.Tensor:
         """P's delta `d` as parity j's (Q's: g^slot times it)."""
@@ -52,10 +73,28 @@ class TwoParity(StoreState):
             todo = self.cuts.unaligned(src, key, local)
         if not bool(todo.any()):
             return records, versions
-        p = self.placement
-        rows, mine, mv = local[todo], records[todo], versions[todo]
-        slot = p.stripe_of(src, rows)[1]
-        other = self._other_parity(src, local)
+        # A stripe that lost another member too decoded from P and Q together, which had to agree: aligned.
+        lonely = todo & other_member_lost(self.placement, src, local, self._down())
+        if bool(lonely.any()):
+            with self.lock:
+                self.cuts.align(src, key, local[lonely], versions[lonely])
+            todo &= ~lonely
+            if not bool(todo.any()):
+                return records, versions
+        records, versions = records.clone(), versions.clone()
+        pos = todo.nonzero().squeeze(1)
+        for at, j, other in self._groups(src, local[pos]):
+            at = pos[at]
+            records[at], versions[at] = self._align_group(
+                txn, src, local[at], records[at], versions[at], j, other
+            )
+        return records, versions
+
+    def _align_group(
+        self, txn: str, src: int, rows: torch.Tensor, mine: torch.Tensor, mv: torch.Tensor, j: int, other
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_align` of rows whose parity record here is j, the other one `other` (None: failed)."""
+        slot = self.placement.stripe_of(src, rows)[1]
         cut, union = mv, mine
         if other is not None:
             server, jo, index = other
@@ -65,7 +104,6 @@ class TwoParity(StoreState):
             union = torch.where(newer.view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
             union = union.view(torch.float32)
             if bool(newer.any()):  # this record takes the other's longer prefix
-                j = 1 - jo
                 own = self._acting_index(src, rows[newer])
                 d = self._as_parity(self.code.delta(mine[newer], theirs[newer]), slot[newer], j)
                 fix = DeltaBatch(self.shard, f"{txn}:align", src, own, slot[newer], d, tv[newer])
@@ -76,7 +114,7 @@ class TwoParity(StoreState):
                 if bool(off.any()):
                     raise Busy(f"aligning shard {src}'s rows: this parity record moved since it was read")
             d = self._as_parity(self.code.delta(theirs, union), slot, jo)
-            b = DeltaBatch(server, f"{txn}:align", src, index[todo], slot, d, cut)
+            b = DeltaBatch(server, f"{txn}:align", src, index, slot, d, cut)
             b.via, b.base = self.shard, tv
             err = self.peers.deltas([b], True, self.epoch).get(server)
             if err is not None and not self.peers.confirm_failed(server):
@@ -84,10 +122,69 @@ class TwoParity(StoreState):
             with self.lock:
                 self.stats["rows_realigned"] += int((tv != mv).sum())
         with self.lock:
-            self.cuts.align(src, key, rows, cut)
+            self.cuts.align(src, self._failure_key(src), rows, cut)
+        return union, cut
+
+    def _align_rebuilt(
+        self, local: torch.Tensor, records: torch.Tensor, versions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A replacement rebuilding its rows `local` (decoded from P where P's server is live: `records` at
+        `versions`) aligns their two parity records as an acting home does: the rows are decoded from Q as
+        well, and each record takes the longer prefix of the failed incarnation's updates where the other
+        has it. Returns the rows at the union."""
+        p = self.placement
+        slot = p.stripe_of(self.shard, local)[1]
         records, versions = records.clone(), versions.clone()
-        records[todo], versions[todo] = union, cut
+        # (a stripe that lost another member too decoded from P and Q together, which had to agree)
+        down = self._down()
+        lonely = other_member_lost(p, self.shard, local, down)
+        for i in slot[~lonely].unique().tolist():
+            at = ((slot == i) & ~lonely).nonzero().squeeze(1)
+            rows = local[at]
+            (ps, pb), (qs, qb) = (p.parity_of(self.shard, rows, j) for j in range(2))
+            server_p, server_q = int(ps[0]), int(qs[0])
+            if {server_p, server_q} & down:
+                continue  # one parity record left: its cut is the rows' (the other is re-encoded when rebuilt)
+            mine, mv = records[at], versions[at]
+            theirs, tv = self.decode_rows(self.shard, rows, unread=server_p)
+            union = torch.where((tv > mv).view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
+            union = union.view(torch.float32)
+            cut = torch.maximum(mv, tv)
+            for server, j, index, had, hv in ((server_p, 0, pb, mine, mv), (server_q, 1, qb, theirs, tv)):
+                behind = hv < cut
+                if not bool(behind.any()):
+                    continue
+                d = self._as_parity(self.code.delta(had[behind], union[behind]), slot[at][behind], j)
+                b = DeltaBatch(
+                    server,
+                    f"rebuild:{self.shard}:align",
+                    self.shard,
+                    p.parity_index(j, index[behind]),
+                    slot[at][behind],
+                    d,
+                    cut[behind],
+                )
+                b.via, b.base = self.shard, hv[behind]
+                err = self.peers.deltas([b], True, self.epoch).get(server)
+                if err is not None and not self.peers.confirm_failed(server):
+                    raise PeerFailed(server, f"aligning rebuilt rows of shard {self.shard}: {err}")
+            with self.lock:
+                self.stats["rows_realigned"] += int((tv != mv).sum())
+            records[at], versions[at] = union, cut
         return records, versions
+
+    def _not_rebuilt_with(
+        self, local: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A replacement's own rows of a part, less those whose update (at `versions`, the ones it took at
+        the failed incarnation) the rebuild found in a parity record: the rows hold it already. (Needs
+        `lock`.)"""
+        if versions is None or self.placement.r == 1:
+            return local, grads
+        done = self.cuts.within(self.shard, self._failure_key(self.shard), local, versions)
+        if not bool(done.any()):
+            return local, grads
+        return local[~done], grads[~done]
 
     def _written_already(
         self, txn: str, src: int, local: torch.Tensor, versions: torch.Tensor | None
@@ -103,32 +200,36 @@ class TwoParity(StoreState):
 
     def _acting_deltas(
         self, txn: str, src: int, local: torch.Tensor, slot: torch.Tensor, d: torch.Tensor, version
-    ) -> tuple[DeltaBatch, DeltaBatch | None]:
-        """A degraded write's delta batch for this acting home's parity record, and (r = 2, the other's
-        server live) the one for the other record, from P's delta `d`."""
-        own = DeltaBatch(self.shard, txn, src, self._acting_index(src, local), slot, d, version)
+    ) -> tuple[list[DeltaBatch], list[DeltaBatch]]:
+        """A degraded write's delta batches for this acting home's parity records (one per parity j it holds
+        of the rows) and (r = 2) for the other records whose servers are live, from P's delta `d`."""
         if self.placement.r == 1:
-            return own, None
-        j = int(self._acting_parity(src, local[:1])[1][0])
-        own.delta = self._as_parity(d, slot, j)
-        other = self._other_parity(src, local)
-        if other is None:
-            return own, None
-        server, jo, index = other
-        forward = DeltaBatch(server, txn, src, index, slot, self._as_parity(d, slot, jo), version)
-        forward.via = self.shard
-        return own, forward
+            return [DeltaBatch(self.shard, txn, src, self._acting_index(src, local), slot, d, version)], []
+        own, forwards = [], []
+        for at, j, other in self._groups(src, local):
+            rows, sl, dd, v = local[at], slot[at], d[at], version[at]
+            own.append(
+                DeltaBatch(
+                    self.shard, txn, src, self._acting_index(src, rows), sl, self._as_parity(dd, sl, j), v
+                )
+            )
+            if other is not None:
+                server, jo, index = other
+                forward = DeltaBatch(server, txn, src, index, sl, self._as_parity(dd, sl, jo), v)
+                forward.via = self.shard
+                forwards.append(forward)
+        return own, forwards
 
-    def _send_forward(self, txn: str, forward: DeltaBatch) -> None:
+    def _send_forward(self, txn: str, forwards: list[DeltaBatch]) -> None:
         """Deliver a degraded write's delta to the other parity server before the write commits here, the
         rows still locked (so each reaches it in version order). From the moment it is sent the write is
         committed, never aborted (`cuts.sent`): the other record may hold it. Busy while a live server has
         not taken it; the worker commits again, or expiry does."""
         with self.lock:
             self.cuts.sent.add(txn)
-        err = self.peers.deltas([forward], True, self.epoch).get(forward.parity_server)
-        if err is not None and not self.peers.confirm_failed(forward.parity_server):
-            raise Busy(f"degraded write {txn}: parity server {forward.parity_server} did not take it: {err}")
+        for server, err in self.peers.deltas(forwards, True, self.epoch).items():
+            if err is not None and not self.peers.confirm_failed(server):
+                raise Busy(f"degraded write {txn}: parity server {server} did not take it: {err}")
 
     # -- the other parity server ----------------------------------------------------------------------------
     def _from_acting_home(self, b: DeltaBatch) -> torch.Tensor:
@@ -136,7 +237,10 @@ class TwoParity(StoreState):
         self.check_deltas(b)
         if b.via < 0 or b.via == self.shard or not 0 <= b.via < self.ctx.num_servers:
             raise InvalidRequest(f"via: {b.via} is not another server")
-        if not self.peers.is_failed(b.src):
+        if b.via == b.src:  # a replacement aligning the rows it rebuilds (only realigns)
+            if b.base is None or self.peers.is_failed(b.src):
+                raise NotOwner(f"shard {b.src} is failed in this server's map: it rebuilds nothing")
+        elif not self.peers.is_failed(b.src):
             raise NotOwner(f"shard {b.src} is not failed in this server's map (epoch {self.epoch}) yet")
         if self.peers.is_failed(b.via):
             raise NotOwner(f"shard {b.via} is failed in this server's map: it acts for nobody")
@@ -155,7 +259,7 @@ class TwoParity(StoreState):
                 self._settle_src(b.src)
             off = self.parity.realign(b)
             self._parity_changed()
-            if not bool(off.any()):
+            if not bool(off.any()) and b.via != b.src:  # (a replacement's rows have their writer back)
                 self.cuts.align(b.src, self._failure_key(b.src), rows, b.version)
         if bool(off.any()):
             raise Busy(
