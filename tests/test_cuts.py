@@ -115,3 +115,13 @@ def test_a_stage_names_one_version_per_row():
     assert stage_versions(pb.StageRequest(src=-1, versions=ids_to_bytes(t(4, 0))), 2).tolist() == [4, 0]
     with pytest.raises(InvalidRequest, match="versions"):
         stage_versions(ok, 3)
+
+
+def test_a_batch_from_an_acting_home_names_its_write_of_the_failed_shards_rows():
+    from ecrec.server import check_acting_txn
+
+    check_acting_txn("w0-7/3.1.0", 3, 1)  # acting home 3 writing shard 1's rows
+    check_acting_txn("rebuild/1.1.0", 1, 1)  # shard 1's replacement aligning the rows it rebuilds
+    for txn in ("w0-7/1.-1.0", "w0-7/4.1.0", "w0-7/3.2.0", "not a txn"):
+        with pytest.raises(InvalidRequest):
+            check_acting_txn(txn, 3, 1)

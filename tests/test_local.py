@@ -202,3 +202,53 @@ def test_generated_criteo_files_train_end_to_end(tmp_path):
     report = run_local(ctx, tmp_path / "run", progress=False)
     assert report["spec"]["data"]["source"] == "criteo"
     assert report["eval"]["auc"] > 0.55, report["eval"]
+
+
+def test_chaos_with_concurrent_kills_takes_down_that_many_distinct_servers_at_one_moment():
+    """`ecrec local --chaos N --concurrent C`: each chaos event kills C distinct random servers at the same
+    moment, the next event only once every shard is up again; C = 1 draws the same shards a seed drew before
+    the option existed."""
+    from types import SimpleNamespace
+
+    from ecrec.local import Supervisor
+
+    class Cluster:
+        def __init__(self) -> None:
+            self.ctx = SimpleNamespace(num_servers=6)
+            self.children = {f"server-{s}": SimpleNamespace(alive=True) for s in range(6)}
+            self.killed: list[tuple[str, float]] = []
+            self.coordinator = SimpleNamespace(add_event=lambda _e: None)
+
+        def kill(self, name: str) -> None:
+            self.killed.append((name, clock[0]))
+
+    def status(up: bool) -> dict:
+        state = "up" if up else "recovering"
+        return {
+            "startedAt": 0.0,
+            "step": 1,
+            "cluster": {"shards": [{"state": state}] * 6},
+            "phase": "Running",
+        }
+
+    import ecrec.local as local
+
+    clock = [0.0]
+    real_time = local.time.time
+    local.time.time = lambda: clock[0]
+    try:
+        sup, cluster = Supervisor(chaos=2, seed=3, concurrent=2), Cluster()
+        for t in range(0, 20):
+            clock[0] = float(t)
+            sup._kill_due(cluster, status(up=len(cluster.killed) != 2 or t > 10))
+        one = Supervisor(chaos=1, seed=3)
+        one._kill_due(Cluster(), status(up=True))
+    finally:
+        local.time.time = real_time
+    assert len(cluster.killed) == 4
+    (a, ta), (b, tb), (c, tc), (d, td) = cluster.killed
+    assert a != b and ta == tb and c != d and tc == td and tc > 10  # the second event after the recovery
+    import random
+
+    rng = random.Random(3)
+    assert one.next_chaos[0] == [rng.randrange(6)]

@@ -102,14 +102,14 @@ def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(t
         coord_text = httpx.get(f"{job.coordinator}/metrics", timeout=10).text
         cluster = httpx.get(f"{job.coordinator}/v1/cluster", timeout=10).json()
         server_text = httpx.get(cluster["shards"][2]["metricsUrl"], timeout=10).text  # the rebuilt one
-        worker_text = httpx.get(job.worker_metrics_url(0), timeout=10).text
+        worker_texts = [httpx.get(job.worker_metrics_url(rank), timeout=10).text for rank in range(2)]
         code = job.stop()
     assert code == 130, job.logs()  # stopped by Ctrl-C, not failed
     assert processes_mentioning(str(tmp_path)) == []
 
     c = check_conventions(coord_text, job.name, "coordinator")
     s = check_conventions(server_text, job.name, "server")
-    w = check_conventions(worker_text, job.name, "worker")
+    ws = [check_conventions(text, job.name, "worker") for text in worker_texts]
 
     # The coordinator covers the job: step, loss of each worker, phase, one state per shard, the recovery.
     assert value(c, "ecrec_training_step") > 0
@@ -141,10 +141,16 @@ def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(t
     assert value(c, "ecrec_rpc_latency_seconds_count", method="Recover") >= groups + 1
     assert value(c, "ecrec_samples_trained_total") > 0
 
-    # A worker: its own RPCs by method, and its share of the degraded rows.
-    assert value(w, "ecrec_rpc_latency_seconds_count", method="Pull") > 0
-    assert value(w, "ecrec_degraded_reads_total", shard="2") > 0
-    assert value(w, "ecrec_steps_total") > 0
+    # Each worker: its own RPCs by method; its share of the degraded rows (one of them may have read none of
+    # shard 2's rows in the second or so it was failed: seen on a loaded CI machine, for worker 0).
+    for w in ws:
+        assert value(w, "ecrec_rpc_latency_seconds_count", method="Pull") > 0
+        assert value(w, "ecrec_steps_total") > 0
+    shares = [
+        sum(x.value for x in samples(w, "ecrec_degraded_reads", shard="2") if x.name.endswith("_total"))
+        for w in ws
+    ]
+    assert sum(shares) > 0, shares
     # The rebuilt server: served RPCs, its store's counters, the Recover steps it ran.
     assert value(s, "ecrec_rpc_latency_seconds_count", method="Recover") >= groups + 1
     assert value(s, "ecrec_server_rows_rebuilt_total") == rebuilt

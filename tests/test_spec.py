@@ -176,13 +176,21 @@ CROSS_FIELD_CASES = {
         {**TINY, "servers": {"replicas": 4}, "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4}}},
         "spec.servers.replicas: strategy ecrec needs at least k + r = 5 servers, got 4",
     ),
-    "reed_solomon_not_implemented": (
+    "r2_not_accepted_yet": (
         {
             **TINY,
             "servers": {"replicas": 8},
             "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4, "r": 2}},
         },
-        "spec.faultTolerance.ecrec.r: r >= 2 (Reed-Solomon) is not implemented yet",
+        "spec.faultTolerance.ecrec.r: r = 2 (P and Q, as in RAID-6) is not accepted yet",
+    ),
+    "sum_code_has_no_r2": (
+        {
+            **TINY,
+            "servers": {"replicas": 8},
+            "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4, "r": 2, "code": "sum"}},
+        },
+        "spec.faultTolerance.ecrec.r: code 'sum' has no r = 2 form",
     ),
     "deterministic_needs_one_worker": (
         {**TINY, "training": {"deterministic": True}, "workers": {"replicas": 2}},
@@ -206,7 +214,8 @@ CROSS_FIELD_FIXES = {
     "bottom_mlp_last_is_embedding_dim": "model.bottomMlp=[16, 8]",
     "top_mlp_last_is_one": "model.topMlp=[16, 1]",
     "ecrec_needs_k_plus_r_servers": "servers.replicas=5",
-    "reed_solomon_not_implemented": "faultTolerance.ecrec.r=1",
+    "r2_not_accepted_yet": "faultTolerance.ecrec.r=1",
+    "sum_code_has_no_r2": "faultTolerance.ecrec.r=1",
     "deterministic_needs_one_worker": "workers.replicas=1",
     "criteo_needs_paths": "data.paths=[day_0.tsv]",
     "no_preset_needs_table_sizes": "model.tableSizes=[3]",

@@ -49,6 +49,9 @@ def cmd_local(args) -> int:
     except ValueError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
+    if not 1 <= args.concurrent <= ctx.num_servers:
+        console.print(f"[red]error:[/] --concurrent: between 1 and the job's {ctx.num_servers} servers")
+        return 2
     server_kills = any(isinstance(target, int) for target, _at in kills)
     if (server_kills or args.chaos) and ctx.spec.fault_tolerance.strategy == "none":
         console.print(
@@ -81,6 +84,7 @@ def cmd_local(args) -> int:
             progress=not args.quiet,
             kills=kills,
             chaos=args.chaos,
+            concurrent=args.concurrent,
             seed=args.seed if args.seed is not None else ctx.spec.training.seed,
             rebuild_error=args.rebuild_error,
             cpus=cpus,
@@ -432,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="N kills of random shards at random times, one at a time",
+    )
+    p.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        metavar="C",
+        help="--chaos: each kill takes down C distinct random servers at the same moment (C <= r survives)",
     )
     p.add_argument("--seed", type=int, help="seed of --chaos (default: training.seed)")
     p.add_argument(

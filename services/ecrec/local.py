@@ -299,13 +299,15 @@ class Supervisor:
         chaos: int = 0,
         seed: int = 0,
         hold_seed: Callable[[dict], bool] | None = None,
+        concurrent: int = 1,
     ):
         import random
 
         self.kills = list(kills)
         self.chaos_left = chaos
+        self.concurrent = concurrent  # servers each chaos kill takes down at the same moment
         self.rng = random.Random(seed)
-        self.next_chaos: tuple[int, float] | None = None
+        self.next_chaos: tuple[list[int], float] | None = None
         self.respawns = 0
         self.resume: dict | None = None  # the coordinator's state as of its last status: a successor's seed
         # tests: a seed it returns True for is kept, as if every later pass had missed the status
@@ -332,10 +334,16 @@ class Supervisor:
         t = time.time() - status["startedAt"]
         n = cluster.ctx.num_servers
         if self.chaos_left and self.next_chaos is None and _all_recovered(status):
-            self.next_chaos = (self.rng.randrange(n), t + self.rng.uniform(1.0, 4.0))
+            # (one server: randrange, the sequence a seed gave before --concurrent)
+            shards = (
+                [self.rng.randrange(n)]
+                if self.concurrent == 1
+                else self.rng.sample(range(n), self.concurrent)
+            )
+            self.next_chaos = (shards, t + self.rng.uniform(1.0, 4.0))
         due = [k for k in self.kills if _kill_due(k[1], t, status["step"])]
         if self.next_chaos is not None and self.next_chaos[1] <= t:
-            due.append(self.next_chaos)
+            due += [(shard, self.next_chaos[1]) for shard in self.next_chaos[0]]
             self.next_chaos = None
             self.chaos_left -= 1
         for target, _at in due:
@@ -464,6 +472,7 @@ def run_local(
     start_timeout: float = 120.0,
     kills: list[tuple[int | str, float | str]] = (),
     chaos: int = 0,
+    concurrent: int = 1,
     seed: int = 0,
     fault: str | None = None,
     on_tick=None,
@@ -500,7 +509,9 @@ def run_local(
         cluster.env.update({"ECREC_FAULT_POINT": fault, "ECREC_FAULT_ONCE": str(fired)})
     spec = ctx.spec
     total = spec.training.steps * spec.workers.replicas * spec.training.batch_size
-    supervisor = Supervisor(kills, chaos, seed, hold_seed)
+    if not 1 <= concurrent <= ctx.num_servers:
+        raise ValueError(f"concurrent: between 1 and the {ctx.num_servers} servers, got {concurrent}")
+    supervisor = Supervisor(kills, chaos, seed, hold_seed, concurrent)
 
     def tick(cl: LocalCluster, status: dict | None) -> None:
         supervisor.tick(cl, status)

@@ -110,26 +110,30 @@ def parity_check(client: PSClient, rounds: int = 5) -> dict:
     ctx, p = client.ctx, client.ctx.placement
     if any(client.failed(s) or client.states.get(s) == "recovering" for s in range(ctx.num_servers)):
         raise RuntimeError("parity check needs every server up (a shard is failed or recovering)")
-    code = make_code(ctx.spec.fault_tolerance.ecrec.code)
-    pending = {s: None for s in range(ctx.num_servers)}  # parity server -> indices still to check
+    code = make_code(ctx.spec.fault_tolerance.ecrec.code, p.r, p.k)
+    pending = {s: None for s in range(ctx.num_servers)}  # parity server -> parity indices still to check
     stripes = mismatches = 0
     for _round in range(rounds):
         data = [read_versions(client, s, pb.DATA, p.rows_on(s)) for s in range(ctx.num_servers)]
         for server in list(pending):
-            parity, pver = read_versions(client, server, pb.PARITY, p.parity_rows_on(server))
+            parity, pver = read_versions(client, server, pb.PARITY, p.r * p.parity_rows_on(server))
             index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
-            shards, locs, present = p.stripe_members(server, index)
-            members = torch.zeros(p.k, index.numel(), ctx.record_width)
+            js, blocks = p.parity_slot(index)  # (r = 2: P's records, then Q's, of different stripes)
+            expected = torch.empty(index.numel(), ctx.record_width)
             mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
-            for s in shards.unique().tolist():
-                sel = present & (shards == s)
-                ri, sj = sel.nonzero(as_tuple=True)
-                members[sj, ri] = data[s][0][locs[ri, sj]]
-                mvers[ri, sj] = data[s][1][locs[ri, sj]].view(-1)
+            for j in js.unique().tolist():
+                at = (js == j).nonzero().squeeze(1)
+                shards, locs, present = p.stripe_members(server, blocks[at], j)
+                members = torch.zeros(p.k, at.numel(), ctx.record_width)
+                for s in shards.unique().tolist():
+                    sel = present & (shards == s)
+                    ri, sj = sel.nonzero(as_tuple=True)
+                    members[sj, ri] = data[s][0][locs[ri, sj]]
+                    mvers[at[ri], sj] = data[s][1][locs[ri, sj]].view(-1)
+                expected[at] = code.encode(members, j) if p.r == 2 else code.encode(members)
             settled = (mvers == pver[index]).all(dim=1)
-            expected = code.encode(members)
             got = parity[index]
-            if code.name == "xor":
+            if code.exact:
                 ok = (expected.view(torch.int32) == got.view(torch.int32)).all(dim=1)
             else:
                 ok = torch.isclose(expected, got, rtol=1e-4, atol=1e-5).all(dim=1)

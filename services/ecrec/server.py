@@ -216,6 +216,17 @@ def delta_message(b: DeltaBatch, epoch: int = 0, immediate: bool = False) -> pb.
     return msg
 
 
+def check_acting_txn(txn: str, via: int, src: int) -> None:
+    """The txn of a batch from failed shard src's acting home `via`: its degraded write (or, via == src, the
+    rebuild of src's replacement); InvalidRequest otherwise."""
+    try:
+        _step, target, tsrc, _attempt = parse_txn(txn)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    if target != via or tsrc != src:
+        raise InvalidRequest(f"txn: {txn} is not a write of shard {src}'s rows at server {via}")
+
+
 def stage_versions(request: pb.StageRequest, n: int) -> torch.Tensor | None:
     """A rewrite's `versions` (r = 2: what each row's update took at its failed data server)."""
     if not request.HasField("versions"):
@@ -484,8 +495,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
         dense = {}
         for c, buf in zip(request.dense_chunks, request.dense_grads, strict=True):
             dense[int(c)] = bytes_to_floats(buf, self.store.chunk_len(int(c)), 1, "dense_grads").view(-1)
-        versions = stage_versions(request, g.numel())
-        txn, src = request.txn, request.src
+        txn, src, versions = request.txn, request.src, stage_versions(request, g.numel())
         early: tuple[list, list] = ([], [])
         if self.store.logged:  # commit: deltaLog — applied now; the deltas are the worker's to deliver
             if request.decisions:
@@ -494,8 +504,9 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             carried, asked = self._carried(request.carried), self._asked(request.ask)  # all checked first
             if carried or asked:  # the worker's earlier deliveries to this server as a parity server
                 early = self.store.deliver_early(carried, asked)
-            n, batches = self.store.apply_part(txn, g, grads, src, dense, request.epoch, delivered, versions)
-            staged = Staged(n, batches)
+            staged = Staged(
+                *self.store.apply_part(txn, g, grads, src, dense, request.epoch, delivered, versions)
+            )
         else:
             if request.delivered or request.carried or request.ask:
                 raise InvalidRequest("delivered, carried, ask: deliveries belong to commit: deltaLog only")
@@ -534,6 +545,10 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("Delta", check_epoch=False)
     def Delta(self, request, context):
+        if request.HasField("via"):  # r = 2: an acting home (or a replacement) aligning or forwarding a write
+            check_acting_txn(request.txn, request.via, self._shard_id(request.src, "src"))
+            self.store.receive_deltas(self._batch(request), immediate=True)
+            return pb.TxnResponse(outcome="applied")
         if self.store.logged and request.immediate:
             # a data server forwarding a part its worker did not deliver (LoggedUpdates.forward_due)
             self._decision(request.txn, request.src)
@@ -681,14 +696,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("CopyDense", check_epoch=False)
     def CopyDense(self, request, context):
-        """The surviving replica's side of a dense copy: only for a chunk whose other replica is a
+        """A surviving replica's side of a dense copy: only for a chunk another replica of which is a
         replacement under recovery."""
-        holders = (
-            self.store.ctx.dense_holders(request.chunk) if request.chunk < self.store.ctx.num_servers else ()
-        )
-        others = [h for h in holders if h != self.store.shard]
         self.store.chunk_len(request.chunk)  # held here, or INVALID_ARGUMENT
-        if not others or not self._recovering(others[0]):
+        others = [h for h in self.store.ctx.dense_holders(request.chunk) if h != self.store.shard]
+        if not any(self._recovering(h) for h in others):
             raise WrongState(f"dense chunk {request.chunk} has no replica under recovery to copy to")
         recs, txns = self.store.serve_dense_copy(request.chunk, request.epoch)
         return pb.CopyDenseResponse(

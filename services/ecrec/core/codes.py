@@ -16,6 +16,7 @@ import abc
 
 import torch
 
+from ecrec.core.errors import SUM_HAS_NO_R2
 from ecrec.core.raid6 import PQCode
 
 
@@ -104,15 +105,6 @@ class SumCode(Code):
 
 
 CODES: dict[str, type[Code]] = {"xor": XorCode, "sum": SumCode}
-
-# Why `sum` has no r = 2 form: a second float parity must weigh the members differently (Q = Σ c_i·D_i), and two
-# lost members then come back from a 2×2 Vandermonde solve, D_x = (S_q − c_y·S_p) / (c_x − c_y). Its
-# cancellation turns the rounding of the sums over the other members into an error that nothing about D_x
-# bounds (it grows with their magnitudes and the weights), and no float construction is bit-exact.
-SUM_HAS_NO_R2 = (
-    "code 'sum' has no r = 2 form: a float Q needs a Vandermonde solve to give two lost members back, whose "
-    "rounding error is unbounded (no bit-exact float construction); use code 'xor' (P + Q over GF(2^8))"
-)
 
 
 def make_code(name: str, r: int = 1, k: int = 0) -> Code | PQCode:

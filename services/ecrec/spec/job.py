@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
+from ecrec.core.errors import SUM_HAS_NO_R2
 from ecrec.spec.base import _Section
 from ecrec.spec.errors import _CrossFieldProblems
 from ecrec.spec.pods import ROLE_POD_FIELDS
@@ -119,8 +120,14 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
                 f"spec.servers.replicas: strategy ecrec needs at least k + r = {ec.k + ec.r} servers, "
                 f"got {s.servers.replicas}"
             )
-        if ec.r != 1:
-            out.append("spec.faultTolerance.ecrec.r: r >= 2 (Reed-Solomon) is not implemented yet")
+        if ec.r == 2 and ec.code != "xor":
+            out.append(f"spec.faultTolerance.ecrec.r: {SUM_HAS_NO_R2}")
+        elif (
+            ec.r != 1
+        ):  # r = 2 (issue #30): exact through failures in-process; not yet live (docs/protocol.md)
+            out.append(
+                "spec.faultTolerance.ecrec.r: r = 2 (P and Q, as in RAID-6) is not accepted yet; r is 1"
+            )
     if s.training.deterministic and s.workers.replicas != 1:
         out.append(
             f"spec.workers.replicas: deterministic training needs exactly 1 worker, got {s.workers.replicas}"

@@ -46,10 +46,11 @@ class Recovery(StoreState):
             if as_of is not None and as_of.shape != index.shape:
                 raise InvalidRequest(f"as_of: {as_of.numel()} versions for {index.numel()} rows")
             with self.lock:
-                if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
-                    self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
+                # (first: rows a lock group of this replacement is rebuilding are locked, and not to wait for)
                 if not bool(self.row_ready[index].all()):
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
+                if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
+                    self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
                 records, versions = self.rows.records[index], self.rows.versions[index]
                 if as_of is None:
                     return ReadResult(records.clone(), versions.clone())
@@ -119,8 +120,10 @@ class Recovery(StoreState):
                 )
             except (SecondFailure, PeerFailed) as e:
                 # r = 2: a server that cannot answer (a replacement whose records are not rebuilt, or one
-                # that died since the map said otherwise) is one more record lost: decode without it
-                if self.placement.r == 1 or e.server < 0 or e.server in down:
+                # that died since the map said otherwise) is one more record lost: decode without it. (A
+                # server that is only busy is asked again by the caller, not decoded around.)
+                unreadable = isinstance(e, SecondFailure) or e.server in self._down()
+                if self.placement.r == 1 or e.server < 0 or e.server in down or not unreadable:
                     if isinstance(e, SecondFailure):
                         raise PeerFailed(-1, str(e)) from e
                     raise

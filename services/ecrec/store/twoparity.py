@@ -1,7 +1,8 @@
-"""Degraded writes with two parity records per stripe (r = 2; docs/protocol.md, "Degraded mode"): the acting
-home aligns a failed shard's rows in both records before its first write of them, skips what both hold
-already, and sends the other record each write's delta before the write commits; the other parity server's
-side of both (`realign`, `apply_forward`). The state is `ecrec.core.cuts.Cuts`.
+"""Two parity records per stripe through failures (r = 2; docs/protocol.md, "Degraded mode"): the acting home
+aligns a failed shard's rows in both records before its first write of them, skips what both hold already,
+and sends the other record each write's delta before the write commits; a replacement aligns the rows it
+rebuilds the same way and skips a rewrite within its cut; the other parity server's side of both (`realign`,
+`apply_forward`). The state is `ecrec.core.cuts.Cuts`.
 
 Lock discipline as in ecrec.store.state: the acting home calls these with the failed shard's rows locked for
 its write (ActingHome) and without the store's lock; each takes the lock for what it changes, and calls
@@ -106,7 +107,7 @@ class TwoParity(StoreState):
             if bool(newer.any()):  # this record takes the other's longer prefix
                 own = self._acting_index(src, rows[newer])
                 d = self._as_parity(self.code.delta(mine[newer], theirs[newer]), slot[newer], j)
-                fix = DeltaBatch(self.shard, f"{txn}:align", src, own, slot[newer], d, tv[newer])
+                fix = DeltaBatch(self.shard, txn, src, own, slot[newer], d, tv[newer])
                 fix.base = mv[newer]
                 with self.lock:
                     off = self.parity.realign(fix)
@@ -114,7 +115,7 @@ class TwoParity(StoreState):
                 if bool(off.any()):
                     raise Busy(f"aligning shard {src}'s rows: this parity record moved since it was read")
             d = self._as_parity(self.code.delta(theirs, union), slot, jo)
-            b = DeltaBatch(server, f"{txn}:align", src, index, slot, d, cut)
+            b = DeltaBatch(server, txn, src, index, slot, d, cut)  # (the write's txn: its acting home, src)
             b.via, b.base = self.shard, tv
             err = self.peers.deltas([b], True, self.epoch).get(server)
             if err is not None and not self.peers.confirm_failed(server):
@@ -157,7 +158,7 @@ class TwoParity(StoreState):
                 d = self._as_parity(self.code.delta(had[behind], union[behind]), slot[at][behind], j)
                 b = DeltaBatch(
                     server,
-                    f"rebuild:{self.shard}:align",
+                    f"rebuild/{self.shard}.{self.shard}.0",  # (a txn of src's rows at src)
                     self.shard,
                     p.parity_index(j, index[behind]),
                     slot[at][behind],
@@ -240,7 +241,11 @@ class TwoParity(StoreState):
         if b.via == b.src:  # a replacement aligning the rows it rebuilds (only realigns)
             if b.base is None or self.peers.is_failed(b.src):
                 raise NotOwner(f"shard {b.src} is failed in this server's map: it rebuilds nothing")
-        elif not self.peers.is_failed(b.src):
+        elif b.src not in (
+            self._down() if b.base is None else {s for s in [b.src] if self.peers.is_failed(s)}
+        ):
+            # A write's delta is taken while the shard's replacement is being rebuilt too: the write began while
+            # it was failed, and the rebuild waits for it at its acting home (read_rows: a write under way).
             raise NotOwner(f"shard {b.src} is not failed in this server's map (epoch {self.epoch}) yet")
         if self.peers.is_failed(b.via):
             raise NotOwner(f"shard {b.via} is failed in this server's map: it acts for nobody")
