@@ -60,6 +60,20 @@ def degraded_pull_all(net: Net, s: int) -> torch.Tensor:
     return Worker(net).pull(p.global_id(s, torch.arange(p.rows_on(s))))
 
 
+def run_steps(deliveries: str, victim: int, steps: int, before=None) -> tuple[Net, NetTransport]:
+    """A single worker's steps writing `victim`'s rows (rows_and_grads); `before(i, net)` runs before step i."""
+    net = Net(ecrec_job(deliveries))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    for i in range(1, steps + 1):
+        if before is not None:
+            before(i, net)
+        g, grads = rows_and_grads(net.ctx, i, shard=victim)
+        driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
+    driver.flush_decisions()
+    return net, transport
+
+
 def test_the_acting_home_is_the_first_live_parity_server():
     p = ecrec_job().placement
     local = torch.arange(p.rows_on(1))
@@ -100,12 +114,7 @@ def test_degraded_writes_keep_p_and_q_exact(deliveries, victim):
         driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
     driver.flush_decisions()
     assert transport.degraded_writes > 0
-    ref2 = Net(ecrec_job(deliveries))
-    d2 = DeltaLogDriver(NetTransport(ref2))
-    for i in range(1, steps + 1):
-        g, grads = rows_and_grads(ref2.ctx, i, shard=victim)
-        d2.apply(f"w0-{i}", g, grads, dense_grad(ref2.ctx))
-    d2.flush_decisions()
+    ref2, _ = run_steps(deliveries, victim, steps)
     # both parity records of every stripe equal encode(the reference's rows), the lost shard's included
     assert_parity_ok(net, lost_rows(net, ref2, [victim]))
     assert torch.equal(
@@ -146,12 +155,7 @@ def test_a_failure_that_splits_a_delivery_between_p_and_q_loses_and_repeats_noth
         driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
     driver.flush_decisions()
     assert killed, "the failure was never injected"
-    ref = Net(ecrec_job(deliveries))
-    d2 = DeltaLogDriver(NetTransport(ref))
-    for i in range(1, steps + 1):
-        g, grads = rows_and_grads(ref.ctx, i, shard=victim)
-        d2.apply(f"w0-{i}", g, grads, dense_grad(ref.ctx))
-    d2.flush_decisions()
+    ref, _ = run_steps(deliveries, victim, steps)
     assert torch.equal(bits(degraded_pull_all(net, victim)), bits(ref[victim].rows.records[:, : net.ctx.dim]))
     assert_parity_ok(net, lost_rows(net, ref, [victim]))
     for s in net.stores:  # the other shards' rows, untouched by the failure
@@ -166,20 +170,6 @@ def test_a_failure_that_splits_a_delivery_between_p_and_q_loses_and_repeats_noth
     ]
     split = int((took[0] != took[1]).sum())
     assert sum(net[s].stats["rows_realigned"] for s in net.stores) == 3 * split
-
-
-def run_steps(deliveries: str, victim: int, steps: int, before=None) -> tuple[Net, NetTransport]:
-    """A single worker's steps writing `victim`'s rows (rows_and_grads); `before(i, net)` runs before step i."""
-    net = Net(ecrec_job(deliveries))
-    transport = NetTransport(net)
-    driver = DeltaLogDriver(transport)
-    for i in range(1, steps + 1):
-        if before is not None:
-            before(i, net)
-        g, grads = rows_and_grads(net.ctx, i, shard=victim)
-        driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
-    driver.flush_decisions()
-    return net, transport
 
 
 @pytest.mark.parametrize("deliveries", ["ride", "own"])
