@@ -95,8 +95,8 @@ class Recovery(StoreState):
         """Records and versions of shard src's rows, decoded from their stripes (consistent cut). The
         parity records and the other members are read in one round (ecrec.core.stripes); stripes a commit
         was crossing are read again; no read goes to a server this one's map has failed. `unread`: one more
-        server not to read (r = 2: an acting home decodes the rows from the other parity record too, waiting
-        for src's updates in flight there, to realign it: `Participant._realign`)."""
+        server not to read (r = 2: an acting home or a replacement decodes the rows from the other parity record
+        too, waiting for src's updates in flight there, to align the two: ecrec.store.twoparity)."""
         out = torch.empty(local.numel(), self.ctx.record_width)
         vers = torch.empty(local.numel(), dtype=torch.int64)
         todo = torch.arange(local.numel())
@@ -208,8 +208,7 @@ class Recovery(StoreState):
                 f"ids: this server is not the acting home (first live parity server) of all these rows of"
                 f" shard {src}"
             )
-        key = getattr(self.peers, "failure_key", None)
-        key = key(src) if key is not None else None
+        key = self._failure_key(src)
         with self.lock:
             self.acting.begin(src, key)
 
