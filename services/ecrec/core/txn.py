@@ -294,9 +294,7 @@ class ParityParticipant:
 
     def _j(self, b: DeltaBatch) -> int:
         """The parity record (0: P, 1: Q) whose rows a batch holds (one j per batch: check_deltas)."""
-        if b.index.numel() == 0:
-            return 0
-        return int(b.index[0]) // max(self.placement.parity_rows_on(self.shard), 1)
+        return int(self.placement.parity_slot(b.index[:1])[0][0]) if b.index.numel() else 0
 
     def apply_now(self, batch: DeltaBatch) -> str:
         """Stage and commit in one (updates without 2PC); a re-delivered batch is applied once."""

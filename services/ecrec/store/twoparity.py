@@ -87,12 +87,12 @@ class TwoParity(StoreState):
         for at, j, other in self._groups(src, local[pos]):
             at = pos[at]
             records[at], versions[at] = self._align_group(
-                txn, src, local[at], records[at], versions[at], j, other
+                txn, src, key, local[at], records[at], versions[at], j, other
             )
         return records, versions
 
     def _align_group(
-        self, txn: str, src: int, rows: torch.Tensor, mine: torch.Tensor, mv: torch.Tensor, j: int, other
+        self, txn: str, src: int, key, rows: torch.Tensor, mine: torch.Tensor, mv: torch.Tensor, j: int, other
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_align` of rows whose parity record here is j, the other one `other` (None: failed)."""
         slot = self.placement.stripe_of(src, rows)[1]
@@ -100,10 +100,8 @@ class TwoParity(StoreState):
         if other is not None:
             server, jo, index = other
             theirs, tv = self.decode_rows(src, rows, unread=self.shard)
+            union, cut = _union(mine, mv, theirs, tv)
             newer = tv > mv
-            cut = torch.maximum(mv, tv)
-            union = torch.where(newer.view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
-            union = union.view(torch.float32)
             if bool(newer.any()):  # this record takes the other's longer prefix
                 own = self._acting_index(src, rows[newer])
                 d = self._as_parity(self.code.delta(mine[newer], theirs[newer]), slot[newer], j)
@@ -123,7 +121,7 @@ class TwoParity(StoreState):
             with self.lock:
                 self.stats["rows_realigned"] += int((tv != mv).sum())
         with self.lock:
-            self.cuts.align(src, self._failure_key(src), rows, cut)
+            self.cuts.align(src, key, rows, cut)
         return union, cut
 
     def _align_rebuilt(
@@ -148,9 +146,7 @@ class TwoParity(StoreState):
                 continue  # one parity record left: its cut is the rows' (the other is re-encoded when rebuilt)
             mine, mv = records[at], versions[at]
             theirs, tv = self.decode_rows(self.shard, rows, unread=server_p)
-            union = torch.where((tv > mv).view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
-            union = union.view(torch.float32)
-            cut = torch.maximum(mv, tv)
+            union, cut = _union(mine, mv, theirs, tv)
             for server, j, index, had, hv in ((server_p, 0, pb, mine, mv), (server_q, 1, qb, theirs, tv)):
                 behind = hv < cut
                 if not bool(behind.any()):
@@ -241,11 +237,9 @@ class TwoParity(StoreState):
         if b.via == b.src:  # a replacement aligning the rows it rebuilds (only realigns)
             if b.base is None or self.peers.is_failed(b.src):
                 raise NotOwner(f"shard {b.src} is failed in this server's map: it rebuilds nothing")
-        elif b.src not in (
-            self._down() if b.base is None else {s for s in [b.src] if self.peers.is_failed(s)}
-        ):
-            # A write's delta is taken while the shard's replacement is being rebuilt too: the write began while
-            # it was failed, and the rebuild waits for it at its acting home (read_rows: a write under way).
+        elif not (self.peers.is_failed(b.src) if b.base is not None else b.src in self._down()):
+            # (a write's delta is taken while the shard's replacement is being rebuilt too: the write began
+            # while it was failed, and the rebuild waits for it at its acting home: read_rows)
             raise NotOwner(f"shard {b.src} is not failed in this server's map (epoch {self.epoch}) yet")
         if self.peers.is_failed(b.via):
             raise NotOwner(f"shard {b.via} is failed in this server's map: it acts for nobody")
@@ -286,3 +280,12 @@ class TwoParity(StoreState):
             self.parity.apply(b)
             self.cuts.applied_via(step_of(b.txn), b.src, rows)
             self._parity_changed()
+
+
+def _union(
+    mine: torch.Tensor, mv: torch.Tensor, theirs: torch.Tensor, tv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows decoded from two parity records (each a prefix of the failed shard's updates, at versions mv and
+    tv): each row as the longer prefix has it, selected as bits, and that version."""
+    union = torch.where((tv > mv).view(-1, 1), theirs.view(torch.int32), mine.view(torch.int32))
+    return union.view(torch.float32), torch.maximum(mv, tv)
