@@ -1,5 +1,5 @@
 """The pure parts of degraded mode with r = 2 (issue #30): ecrec.core.cuts (rows aligned per failure and their
-cuts, rows a former acting home wrote), ParityParticipant.realign, the acting home by Placement, and the
+cuts, rows a former acting home wrote, refused deltas kept for a catch-up), ParityParticipant.realign, the acting home by Placement, and the
 versions a worker recovers from a part's delta batches (core/update.part_versions)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ecrec.core.codes import make_code
-from ecrec.core.cuts import VIA_KEPT, Cuts
+from ecrec.core.cuts import REFUSED_KEPT, VIA_KEPT, Cuts
 from ecrec.core.placement import Placement
 from ecrec.core.raid6 import PQCode
 from ecrec.core.txn import DeltaBatch, ParityParticipant
@@ -125,3 +125,67 @@ def test_a_batch_from_an_acting_home_names_its_write_of_the_failed_shards_rows()
     for txn in ("w0-7/1.-1.0", "w0-7/4.1.0", "w0-7/3.2.0", "not a txn"):
         with pytest.raises(InvalidRequest):
             check_acting_txn(txn, 3, 1)
+
+
+def _refused(src: int, rows: torch.Tensor, version: torch.Tensor, incarnation: int = 2, seed: int = 0):
+    """A delta batch of shard src's local `rows` for their P records on server 0, and the rows."""
+    server, block = P.parity_of(src, rows)
+    assert bool((server == 0).all())
+    slot = P.stripe_of(src, rows)[1]
+    d = torch.randn(rows.numel(), 3, generator=torch.Generator().manual_seed(seed))
+    return DeltaBatch(0, f"w0-{seed}/{src}.-1.0", src, block, slot, d, version, incarnation), rows
+
+
+def _rows_with_p_on_0(src: int, n: int) -> torch.Tensor:
+    local = torch.arange(P.rows_on(src))
+    return local[P.parity_of(src, local)[0] == 0][:n]
+
+
+def test_a_record_behind_catches_up_with_the_deltas_it_refused_in_version_order_and_no_further():
+    src = 2
+    rows = _rows_with_p_on_0(src, 2)
+    code = make_code("xor", 2, P.k)
+    part = _participant(code)
+    cuts = Cuts(P.rows_on)
+    b2, _ = _refused(src, rows, t(2, 1), seed=2)  # row 0's second update, row 1's first
+    b1, _ = _refused(src, rows[:1], t(1), seed=1)  # row 0's first: refused after its successor
+    b3, _ = _refused(src, rows[:1], t(3), seed=3)
+    for b in (b2, b1, b3):
+        cuts.keep(b, P.parity_slot(b.index)[1] * P.k + b.slot)
+    slot = int(b1.slot[0])
+    target = torch.zeros(2, P.k, dtype=torch.int64)
+    target[:, slot] = t(2, 0)  # the other record reflects row 0's first two updates, not row 1's
+    blocks = torch.cat([b1.index, b2.index[1:]])
+    # a failure being decoded of another incarnation of src (or none): nothing applies
+    assert cuts.catch_up(part, blocks, target, {src: 3}.get) == 0
+    assert cuts.catch_up(part, blocks, target, {}.get) == 0
+    assert cuts.catch_up(part, blocks, target, {src: 2}.get) == 2  # row 0's versions 1 and 2
+    want = (b1.delta[0].view(torch.int32) ^ b2.delta[0].view(torch.int32)).view(torch.float32)
+    assert torch.equal(part.parity[b1.index[0]].view(torch.int32), want.view(torch.int32))
+    assert part.pver[b1.index[0], slot] == 2 and part.pver[b2.index[1], slot] == 0
+    assert cuts.catch_up(part, blocks, target, {src: 2}.get) == 0  # there already: nothing twice
+
+
+def test_rows_aligned_keep_nothing_and_an_incarnation_without_a_name_or_an_older_one_is_not_kept():
+    src = 2
+    rows = _rows_with_p_on_0(src, 2)
+    cuts = Cuts(P.rows_on)
+    cuts.align(src, 2, rows[:1], t(0))  # row 0's cut is fixed in the failure of incarnation 2
+    b, local = _refused(src, rows, t(1, 1))
+    cuts.keep(b, local)
+    assert [k.rows.tolist() for k in cuts.kept] == [rows[1:].tolist()]
+    cuts.align(src, 2, rows[1:], t(0))  # aligning drops what was kept for the row
+    assert not cuts.kept
+    unnamed, local = _refused(src, rows, t(1, 1), incarnation=0)
+    cuts.keep(unnamed, local)
+    stale, local = _refused(src, rows, t(1, 1), incarnation=1)  # before the failure whose cuts are known
+    cuts.keep(stale, local)
+    assert not cuts.kept
+    later, local = _refused(src, rows, t(1, 1), incarnation=3)
+    cuts.keep(later, local)  # a newer failure: nothing of it is aligned yet
+    assert len(cuts.kept) == 1
+    for i in range(REFUSED_KEPT + 5):
+        cuts.keep(*_refused(src, rows, t(1, 1), incarnation=4, seed=i))
+    assert len(cuts.kept) == REFUSED_KEPT and all(k.batch.incarnation == 4 for k in cuts.kept)
+    cuts.reset()
+    assert not cuts.kept

@@ -361,6 +361,16 @@ class StoreCollector:
             "ecrec_server_delta_batches_held",
             "Of ecrec_server_delta_batches, those with rows that came ahead of a predecessor and were held for it",
         ),
+        (
+            "rows_realigned",
+            "ecrec_server_rows_realigned",
+            "r = 2: a failed shard's rows whose parity record took the other record's longer prefix of its updates",
+        ),
+        (
+            "rows_caught_up",
+            "ecrec_server_rows_caught_up",
+            "r = 2: rows a parity record took from the failed shard's deltas it had refused, to match the other",
+        ),
     )
 
     def __init__(self, store, labels: dict[str, str]):

@@ -632,9 +632,7 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
             self._shard_id(request.src, "src", other=request.kind == pb.PARITY)
         index = bytes_to_ids(request.index, "index")
         as_of = None
-        if request.HasField("as_of"):
-            if request.kind != pb.DATA:
-                raise InvalidRequest("as_of: only DATA records are read as of a version")
+        if request.HasField("as_of"):  # (DATA: [n] versions; PARITY: [n, k], checked by the store)
             as_of = bytes_to_ids(request.as_of, "as_of")
         res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src, as_of)
         resp = pb.ReadRowsResponse(records=floats_to_bytes(res.records), versions=ids_to_bytes(res.versions))

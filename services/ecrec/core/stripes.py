@@ -126,16 +126,25 @@ class StripeDecode:
     """Decode failed (or rebuilt) shard `src`'s local rows `local` from their stripes. `wait_src`: passed
     to the parity reads (the replacement rebuilding its own rows waits for src's updates in flight; an acting
     home reads committed state). `failed`: the other servers no read may go to (failed, or replacements whose
-    records are not rebuilt); StripesLost if that leaves a stripe more than r records short.
+    records are not rebuilt); `lost_members`: servers whose data rows are decoded around though their parity
+    records may be read (r = 2: replacements being rebuilt); StripesLost if that leaves a stripe more than r
+    records short.
 
     Only src's rows come back, also where a second lost member is decoded on the way: that member's rows are
     its own server's to decode (its replacement or acting home), under that server's row locks."""
 
     def __init__(
-        self, p: Placement, src: int, local: torch.Tensor, wait_src: int = -1, failed: Collection[int] = ()
+        self,
+        p: Placement,
+        src: int,
+        local: torch.Tensor,
+        wait_src: int = -1,
+        failed: Collection[int] = (),
+        lost_members: Collection[int] = (),
     ):
         self.p, self.src, self.local, self.wait_src = p, src, local, wait_src
         self.failed = frozenset(int(s) for s in failed) - {src}
+        self.lost_members = frozenset(int(s) for s in lost_members) - {src}
         n, k = local.numel(), p.k
         rows = torch.arange(n)
         pservers = torch.stack([p.parity_of(src, local, j)[0] for j in range(p.r)], dim=1)  # [n, r]
@@ -144,9 +153,11 @@ class StripeDecode:
         self._shards, self._locs, self._present = members_of(p, self.pserver, self.pindex)
         down = torch.zeros(p.num_servers, dtype=torch.bool)
         down[sorted(self.failed)] = True
+        members_down = down.clone()
+        members_down[sorted(self.lost_members)] = True
         others = self._present.clone()
         others[rows, self.slot] = False  # the row being decoded
-        lost = others & down[self._shards]  # other members that cannot be read [n, k]
+        lost = others & members_down[self._shards]  # other members that cannot be read [n, k]
         parity_down = down[pservers]
         self._refuse_overrun(lost, parity_down, pservers)
         # As many parity records as data records lost, the first readable ones in slot order: P alone unless
@@ -200,6 +211,7 @@ class StripeDecode:
             j = jj if read.j is not None else 0  # all P: plain row indexing, the cheaper copy
             self._records[p.k + j, ri] = res.records
             pvers[j, ri] = res.versions
+        self._pvers = pvers
         self._pver, self._agree = pvers[0], torch.ones(n, dtype=torch.bool)
         if not self._p_alone:
             self._pver = pvers[self._want.to(torch.int64).argmax(dim=1), torch.arange(n)]  # the first read
@@ -223,6 +235,33 @@ class StripeDecode:
             self._records[self.slot, rows] = 0.0
             records = (_XOR if isinstance(code, PQCode) else code).decode(self._records[k], self._records[:k])
         return records, self._pver[rows, self.slot], consistent
+
+    def parity_behind(self) -> list[Read]:
+        """After `decode` (r = 2): where the two parity records read are apart on a member that cannot be
+        read, reads of the one behind as of the other's versions — it refused the member's delta the other
+        took before its server learned of the failure, and catches up from the deltas it kept
+        (ecrec.core.cuts). [] where none is apart."""
+        if self._p_alone or bool(self._agree.all()):
+            return []
+        down = torch.zeros(self.p.num_servers, dtype=torch.bool)
+        down[sorted(self.failed | self.lost_members | {self.src})] = True
+        lost = self._present & down[self._shards]  # [n, k]
+        target = torch.where(lost, self._pvers.amax(dim=0), 0)
+        out = []
+        for read, (ri, jj) in zip(self.reads, self._parity, strict=False):
+            j = jj if read.j is not None else torch.zeros_like(ri)
+            behind = (self._pvers[j, ri] < target[ri]).any(dim=1)
+            if bool(behind.any()):
+                out.append(
+                    Read(
+                        read.server,
+                        "parity",
+                        read.index[behind],
+                        as_of=target[ri][behind],
+                        j=None if read.j is None else read.j[behind],
+                    )
+                )
+        return out
 
     def catch_up(self) -> list[Read]:
         """After `decode`: for the stripes whose members were only ahead of their parity records (none
@@ -248,7 +287,9 @@ class StripeDecode:
 
     def rest(self, consistent: torch.Tensor) -> StripeDecode:
         """The decode of the rows whose stripes were not consistent, to be read again."""
-        return StripeDecode(self.p, self.src, self.local[~consistent], self.wait_src, self.failed)
+        return StripeDecode(
+            self.p, self.src, self.local[~consistent], self.wait_src, self.failed, self.lost_members
+        )
 
 
 class StripeEncode:

@@ -323,7 +323,7 @@ class ParityParticipant:
         not reflect them yet, so those rows are busy too (nothing may build on what the record holds)."""
         return [(b.txn, b.index, b.slot) for b in self.held if b.src == src]
 
-    def _key(self, b: DeltaBatch) -> torch.Tensor:
+    def key_of(self, b: DeltaBatch) -> torch.Tensor:
         """One id per (parity record, stripe slot): a member row of this server's stripes."""
         return b.index * self.placement.k + b.slot
 
@@ -337,7 +337,7 @@ class ParityParticipant:
     def unreflected(self, b: DeltaBatch) -> torch.Tensor:
         """Rows of a delivered batch the record does not reflect yet (held for a predecessor): a mask. Rows
         whose record is being rebuilt count as reflected — the rebuild replays them (`install`)."""
-        behind = self.pver.view(-1).index_select(0, self._key(b)) < b.version
+        behind = self.pver.view(-1).index_select(0, self.key_of(b)) < b.version
         return behind & self.ready.index_select(0, b.index)
 
     def why_held(self, batches: list[DeltaBatch]) -> str:
@@ -346,7 +346,7 @@ class ParityParticipant:
             behind = self.unreflected(b)
             if bool(behind.any()):
                 i = int(behind.nonzero()[0])
-                have = int(self.pver.view(-1)[self._key(b)[i]])
+                have = int(self.pver.view(-1)[self.key_of(b)[i]])
                 return (
                     f"{int(behind.sum())} rows of txn {b.txn} from shard {b.src} wait for an earlier update: e.g. "
                     f"parity record {int(b.index[i])} slot {int(b.slot[i])} at version {int(b.version[i])}, "
@@ -379,11 +379,11 @@ class ParityParticipant:
         later += [b for b in self.held if b.src == src and b.txn not in exclude]
         if not later:
             return False
-        keys = torch.cat([self._key(b) for b in mine])
+        keys = torch.cat([self.key_of(b) for b in mine])
         vers = torch.cat([b.version for b in mine])
         order = torch.argsort(keys)
         keys, vers = keys[order], vers[order]
-        okeys = torch.cat([self._key(b) for b in later])
+        okeys = torch.cat([self.key_of(b) for b in later])
         overs = torch.cat([b.version for b in later])
         pos = torch.searchsorted(keys, okeys).clamp(max=keys.numel() - 1)
         same = keys[pos] == okeys
@@ -407,13 +407,13 @@ class ParityParticipant:
             for b in staged:
                 if b.src != h.src:
                     continue
-                hit = (self._key(h)[:, None] == self._key(b)[None, :]) & (
+                hit = (self.key_of(h)[:, None] == self.key_of(b)[None, :]) & (
                     (b.version[None, :] > cur[:, None]) & (b.version[None, :] < h.version[:, None])
                 )
                 fill |= hit.any(dim=1)
             dropped += int((~fill).sum())
             if bool(fill.any()):
-                kept.append(_rows(h, fill))
+                kept.append(select_rows(h, fill))
         self.held = kept
         self._mark_held()
         return dropped
@@ -442,7 +442,7 @@ class ParityParticipant:
         todo = list(dict.fromkeys(k for k in keys if k not in self.resolved and k in self.staged))
         batches = [b for k in todo for b in self.staged[k]]
         if len(batches) > 1 and self._all_ready and not self.held:
-            key = torch.cat([self._key(b) for b in batches])
+            key = torch.cat([self.key_of(b) for b in batches])
             version = torch.cat([b.version for b in batches])
             flat = self.pver.view(-1)
             # each member row once, each at its next version: then batch order does not matter
@@ -478,10 +478,10 @@ class ParityParticipant:
             return self._apply_in_order(b)
         ready = self.ready[b.index]
         if not bool(ready.all()):
-            self.pending.append(_rows(b, ~ready))
+            self.pending.append(select_rows(b, ~ready))
             if not bool(ready.any()):
                 return True
-            b = _rows(b, ready)
+            b = select_rows(b, ready)
         return self._apply_in_order(b)
 
     def _apply_in_order(self, b: DeltaBatch) -> bool:
@@ -493,7 +493,7 @@ class ParityParticipant:
         if self._cpu_xor:
             return ordered_xor.apply_in_order(self, b)
         flat = self.pver.view(-1)
-        key = self._key(b)
+        key = self.key_of(b)
         step = b.version - flat.index_select(0, key)  # 1: next; > 1: ahead of a predecessor; < 1: reflected
         done = True
         if bool((step == 1).all()):  # the usual case, in one pass: no masks
@@ -502,7 +502,7 @@ class ParityParticipant:
         else:
             now, ahead = step == 1, step > 1
             if bool(ahead.any()):
-                self.held.append(_rows(b, ahead))
+                self.held.append(select_rows(b, ahead))
                 self._held_keys[key[ahead]] = True
                 done = False
             if not bool(now.any()):
@@ -529,7 +529,7 @@ class ParityParticipant:
             return
         self._held_keys.zero_()
         for h in self.held:
-            self._held_keys[self._key(h)] = True
+            self._held_keys[self.key_of(h)] = True
 
     def realign(self, b: DeltaBatch) -> torch.Tensor:
         """Move a failed member's contribution to another prefix of its updates (r = 2, the acting home's
@@ -539,7 +539,7 @@ class ParityParticipant:
         if b.base is None or b.base.shape != b.version.shape:
             raise ValueError("realign: a batch with a base version for every row")
         flat = self.pver.view(-1)
-        key = self._key(b)
+        key = self.key_of(b)
         at = (flat.index_select(0, key) == b.base) & self.ready.index_select(0, b.index)
         if not all_unique(key):
             raise ValueError("realign: each (record, slot) once")
@@ -560,9 +560,9 @@ class ParityParticipant:
         for b in kept:
             now_ready = self.ready[b.index]
             if bool(now_ready.any()):
-                self._apply_in_order(_rows(b, now_ready))
+                self._apply_in_order(select_rows(b, now_ready))
             if not bool(now_ready.all()):
-                self.pending.append(_rows(b, ~now_ready))
+                self.pending.append(select_rows(b, ~now_ready))
 
     def load(self, parity: torch.Tensor, pver: torch.Tensor) -> None:
         """Every parity record and the member versions it reflects take the values given (a checkpoint's,
@@ -592,7 +592,7 @@ class ParityParticipant:
             self.resolved.popitem(last=False)
 
 
-def _rows(b: DeltaBatch, mask: torch.Tensor) -> DeltaBatch:
+def select_rows(b: DeltaBatch, mask: torch.Tensor) -> DeltaBatch:
     """The rows of a batch selected by a boolean mask."""
     return DeltaBatch(
         b.parity_server,

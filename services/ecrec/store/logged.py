@@ -210,6 +210,7 @@ class LoggedUpdates(StoreState):
                         self.parity.apply(b)  # rows already reflected are skipped
                 elif self._refuses(b):
                     refused.append((b.txn, b.src, b.index))
+                    self._keep_refused(b)  # (r = 2: the other parity record may have taken it)
                 else:
                     if not self.parity.apply(b):
                         held.append(b)
@@ -268,6 +269,7 @@ class LoggedUpdates(StoreState):
             return
         self.held_from[src] = now
         for h in self.parity.drop_held(src):
+            self._keep_refused(h)
             key = (h.txn, h.src)
             prev = self.refused.get(key)
             self.refused[key] = h.index if prev is None else torch.cat([prev, h.index])

@@ -39,7 +39,9 @@ class Recovery(StoreState):
         """Records with versions. PARITY reads for rebuilding shard `src` wait for its undecided deltas; DATA
         reads with `src >= 0` (re-encoding parity) wait until none of the rows is staged. DATA reads `as_of`
         versions answer the rows as they were then where the delta log can undo what came after (deltaLog,
-        xor code), and version -1 for the others."""
+        xor code), and version -1 for the others. PARITY reads `as_of` member versions ([n, k], another
+        parity record's: r = 2) first catch up where deltas this server refused take the records there
+        (ecrec.core.cuts)."""
         if kind == "data":
             if not in_range(index, self.num_rows):
                 raise InvalidRequest("index: local rows out of range")
@@ -60,7 +62,16 @@ class Recovery(StoreState):
         n_par = self.parity.parity.shape[0]
         if not in_range(index, n_par):
             raise InvalidRequest("index: parity indices out of range")
+        failed = {}
+        if as_of is not None:
+            if as_of.numel() != index.numel() * self.placement.k:
+                raise InvalidRequest(
+                    f"as_of: {as_of.numel()} versions for {index.numel()} parity records of k = {self.placement.k}"
+                )
+            failed = self._failed_incarnations()
         with self.lock:
+            if failed:
+                self._catch_up(index, as_of.view(index.numel(), self.placement.k), failed)
             if src >= 0:
                 if self.logged:
                     self._settle_src(src)  # held deltas of a replaced incarnation never apply
@@ -105,10 +116,14 @@ class Recovery(StoreState):
         wait = src if src == self.shard or unread >= 0 else -1
         down = {s for s in range(self.ctx.num_servers) if s != src and self.peers.is_failed(s)}
         down |= {unread} if unread >= 0 else set()
+        # r = 2: a replacement's data rows are decoded around even where they are rebuilt already, so that a
+        # stripe with a member on one decodes from P and Q together, as its alignment expects
+        # (other_member_lost over `_down`); its parity records are read where they are rebuilt.
+        lost = self._down() - {src} if self.placement.r == 2 else set()
 
         def plan_for(rows: torch.Tensor) -> StripeDecode:
             try:
-                return StripeDecode(self.placement, src, rows, wait, down)
+                return StripeDecode(self.placement, src, rows, wait, down, lost)
             except StripesLost as e:
                 raise PeerFailed(-1, str(e)) from e
 
@@ -130,6 +145,12 @@ class Recovery(StoreState):
                 down.add(e.server)
                 plan = plan_for(local[todo])
                 continue
+            if self.placement.r == 2 and not bool(consistent.all()):
+                # two parity records of a stripe apart on a failed member: the one behind catches up from
+                # the deltas it refused, if it has them (ecrec.core.cuts); the next round reads it again
+                behind = plan.parity_behind()
+                if behind:
+                    self._read_many(behind)
             if self.logged and self.code.exact and not bool(consistent.all()):
                 # members ahead of their parity by undelivered deltas: read them as of what it reflects
                 again = plan.catch_up()

@@ -196,6 +196,7 @@ class StoreState:
             "deltas_delivered": 0,  # deltaLog: delta batches accepted as a parity server (first deliveries)
             "deltas_held": 0,  # ... of them with rows that came ahead of a predecessor and were held
             "rows_realigned": 0,  # r = 2: a failed shard's rows whose other parity record took the acting home's cut
+            "rows_caught_up": 0,  # r = 2: rows a parity record took from the deltas it had refused (core/cuts.py)
         }
         # Worker processes the coordinator says are gone: what they staged here is settled at once (expire).
         self.fence = WorkerFence()

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ecrec.core.stripes import other_member_lost
+from ecrec.core.stripes import Read, other_member_lost
 from ecrec.core.txn import DeltaBatch
 from ecrec.core.update import step_of
-from ecrec.store.peers import PeerFailed
 from ecrec.store.state import Busy, NotOwner, StoreState
 from ecrec.wire import InvalidRequest
 
@@ -58,6 +57,14 @@ class TwoParity(StoreState):
             out.append((at, j, other))
         return out
 
+    def _ready_at(self, server: int, index: torch.Tensor) -> torch.Tensor:
+        """Which of parity records `index` of `server` are rebuilt: all, unless it is a replacement still
+        being rebuilt (then asked)."""
+        if not getattr(self.peers, "is_recovering", lambda _s: False)(server):
+            return torch.ones(index.numel(), dtype=torch.bool)
+        (res,) = self.peers.read_rows([Read(server, "parity", index)], self.epoch)
+        return res.ready.to(torch.bool)
+
     def _as_parity(self, d: torch.Tensor, slot: torch.Tensor, j: int) -> torch.Tensor:
         """P's delta `d` as parity j's (Q's: g^slot times it)."""
         return self.code.for_parity(d, slot, j) if j else d
@@ -77,8 +84,7 @@ class TwoParity(StoreState):
         # A stripe that lost another member too decoded from P and Q together, which had to agree: aligned.
         lonely = todo & other_member_lost(self.placement, src, local, self._down())
         if bool(lonely.any()):
-            with self.lock:
-                self.cuts.align(src, key, local[lonely], versions[lonely])
+            self._align_lonely(txn, src, key, local[lonely], versions[lonely])
             todo &= ~lonely
             if not bool(todo.any()):
                 return records, versions
@@ -91,6 +97,27 @@ class TwoParity(StoreState):
             )
         return records, versions
 
+    def _align_lonely(self, txn: str, src: int, key, rows: torch.Tensor, versions: torch.Tensor) -> None:
+        """`_align` of rows whose stripe lost another member too: they decoded from P and Q together, which
+        agreed, so both records are at the cut already. The other record is told (it drops the deltas of src
+        it kept for them: core/cuts.py). If it moved since the read, the rows are decoded again (Busy; the
+        decode has the record behind catch up)."""
+        slot = self.placement.stripe_of(src, rows)[1]
+        for at, _j, other in self._groups(src, rows):
+            if other is None:
+                continue
+            server, _jo, index = other
+            zero = torch.zeros(at.numel(), self.ctx.record_width)
+            b = DeltaBatch(server, txn, src, index, slot[at], zero, versions[at])
+            b.via, b.base = self.shard, versions[at]
+            err = self.peers.deltas([b], True, self.epoch).get(server)
+            if err is not None and not self.peers.confirm_failed(server):
+                with self.lock:
+                    self.acting.invalidate(src, rows)
+                raise Busy(f"aligning shard {src}'s rows at parity server {server}: {err}")
+        with self.lock:
+            self.cuts.align(src, key, rows, versions)
+
     def _align_group(
         self, txn: str, src: int, key, rows: torch.Tensor, mine: torch.Tensor, mv: torch.Tensor, j: int, other
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +126,12 @@ class TwoParity(StoreState):
         cut, union = mv, mine
         if other is not None:
             server, jo, index = other
-            theirs, tv = self.decode_rows(src, rows, unread=self.shard)
+            # (a record the other server, a replacement, has not rebuilt is encoded from the members when
+            # it is: nothing to align there; the realign below leaves it alone)
+            ready = self._ready_at(server, index)
+            theirs, tv = mine.clone(), mv.clone()
+            if bool(ready.any()):
+                theirs[ready], tv[ready] = self.decode_rows(src, rows[ready], unread=self.shard)
             union, cut = _union(mine, mv, theirs, tv)
             newer = tv > mv
             if bool(newer.any()):  # this record takes the other's longer prefix
@@ -134,37 +166,44 @@ class TwoParity(StoreState):
         p = self.placement
         slot = p.stripe_of(self.shard, local)[1]
         records, versions = records.clone(), versions.clone()
-        # (a stripe that lost another member too decoded from P and Q together, which had to agree)
         down = self._down()
+        # (a stripe that lost another member too decoded from P and Q together, which had to agree)
         lonely = other_member_lost(p, self.shard, local, down)
-        for i in slot[~lonely].unique().tolist():
-            at = ((slot == i) & ~lonely).nonzero().squeeze(1)
+        key = self._failure_key(self.shard)
+        failed = key - 1 if key else 0  # the incarnation before this one: the one whose deltas were kept
+        for i in slot.unique().tolist():
+            at = (slot == i).nonzero().squeeze(1)
             rows = local[at]
             (ps, pb), (qs, qb) = (p.parity_of(self.shard, rows, j) for j in range(2))
             server_p, server_q = int(ps[0]), int(qs[0])
             if {server_p, server_q} & down:
                 continue  # one parity record left: its cut is the rows' (the other is re-encoded when rebuilt)
             mine, mv = records[at], versions[at]
-            theirs, tv = self.decode_rows(self.shard, rows, unread=server_p)
+            alone = lonely[at]
+            theirs, tv = mine.clone(), mv.clone()
+            if not bool(alone.all()):
+                theirs[~alone], tv[~alone] = self.decode_rows(self.shard, rows[~alone], unread=server_p)
             union, cut = _union(mine, mv, theirs, tv)
+            # Every rebuilt row's cut goes to both records: the delta to the union where one is behind, and
+            # the end of the deltas of the failed incarnation they kept (core/cuts.py) for all.
             for server, j, index, had, hv in ((server_p, 0, pb, mine, mv), (server_q, 1, qb, theirs, tv)):
-                behind = hv < cut
-                if not bool(behind.any()):
-                    continue
-                d = self._as_parity(self.code.delta(had[behind], union[behind]), slot[at][behind], j)
+                d = self._as_parity(self.code.delta(had, union), slot[at], j)
                 b = DeltaBatch(
                     server,
                     f"rebuild/{self.shard}.{self.shard}.0",  # (a txn of src's rows at src)
                     self.shard,
-                    p.parity_index(j, index[behind]),
-                    slot[at][behind],
+                    p.parity_index(j, index),
+                    slot[at],
                     d,
-                    cut[behind],
+                    cut,
+                    incarnation=failed,
                 )
-                b.via, b.base = self.shard, hv[behind]
+                b.via, b.base = self.shard, hv
                 err = self.peers.deltas([b], True, self.epoch).get(server)
                 if err is not None and not self.peers.confirm_failed(server):
-                    raise PeerFailed(server, f"aligning rebuilt rows of shard {self.shard}: {err}")
+                    raise Busy(
+                        f"aligning rebuilt rows of shard {self.shard} at parity server {server}: {err}"
+                    )
             with self.lock:
                 self.stats["rows_realigned"] += int((tv != mv).sum())
             records[at], versions[at] = union, cut
@@ -228,6 +267,39 @@ class TwoParity(StoreState):
             if err is not None and not self.peers.confirm_failed(server):
                 raise Busy(f"degraded write {txn}: parity server {server} did not take it: {err}")
 
+    # -- either parity server: deltas refused, and a catch-up ------------------------------------------------
+    def _keep_refused(self, b: DeltaBatch) -> None:
+        """A failed shard's delta batch refused or dropped here: kept for a catch-up (core/cuts.py). (Needs
+        `lock`.)"""
+        if self.placement.r == 2:
+            self.cuts.keep(b, self._rows_of(b))
+
+    def _rows_of(self, b: DeltaBatch) -> torch.Tensor:
+        """Shard b.src's local rows of a batch's parity records here."""
+        return self.placement.parity_slot(b.index)[1] * self.placement.k + b.slot
+
+    def _failed_incarnations(self) -> dict[int, int]:
+        """Per failed shard, the incarnation whose failure a decode is about: the one in this server's map
+        while it is failed, the one before it while its replacement is rebuilt. Asked before taking `lock`."""
+        recovering = getattr(self.peers, "is_recovering", lambda _s: False)
+        out = {}
+        for s in range(self.ctx.num_servers):
+            key = self._failure_key(s)
+            if key is not None and s != self.shard:
+                if self.peers.is_failed(s):
+                    out[s] = key
+                elif recovering(s):
+                    out[s] = key - 1
+        return out
+
+    def _catch_up(self, index: torch.Tensor, target: torch.Tensor, failed: dict[int, int]) -> None:
+        """A decode found the other parity record ahead of these (`target`: its member versions): apply the
+        kept deltas that take them there. (Needs `lock`.)"""
+        n = self.cuts.catch_up(self.parity, index, target, failed.get)
+        if n:
+            self._parity_changed()
+            self.stats["rows_caught_up"] += n
+
     # -- the other parity server ----------------------------------------------------------------------------
     def _from_acting_home(self, b: DeltaBatch) -> torch.Tensor:
         """Check a batch an acting home sent (`via`) for failed shard b.src's rows; their local rows."""
@@ -243,23 +315,26 @@ class TwoParity(StoreState):
             raise NotOwner(f"shard {b.src} is not failed in this server's map (epoch {self.epoch}) yet")
         if self.peers.is_failed(b.via):
             raise NotOwner(f"shard {b.via} is failed in this server's map: it acts for nobody")
-        return self.placement.parity_slot(b.index)[1] * self.placement.k + b.slot
+        return self._rows_of(b)
 
     def realign(self, b: DeltaBatch) -> None:
         """The acting home aligned failed shard b.src's rows: this record's prefix of src's updates becomes
         the union (the delta is zero where it is already), src's held deltas of the rows are dropped (every
         delta of src is refused from now on), and the rows' cut is remembered. Busy if some record is no
-        longer at the base the acting home read."""
+        longer at the base the acting home read. (A record this replacement has not rebuilt needs nothing:
+        it is encoded from the members when it is.)"""
         if b.base is None:
             raise InvalidRequest("realign: a base version for every row")
         rows = self._from_acting_home(b)
         with self.lock:
             if self.logged:
                 self._settle_src(b.src)
-            off = self.parity.realign(b)
+            off = self.parity.realign(b) & self.parity.ready.index_select(0, b.index)
             self._parity_changed()
-            if not bool(off.any()) and b.via != b.src:  # (a replacement's rows have their writer back)
-                self.cuts.align(b.src, self._failure_key(b.src), rows, b.version)
+            if not bool(off.any()):
+                # (a replacement rebuilding the rows: their cut in the failure of the incarnation before it)
+                key = b.incarnation if b.via == b.src else self._failure_key(b.src)
+                self.cuts.align(b.src, key, rows, b.version)
         if bool(off.any()):
             raise Busy(
                 f"realign: {int(off.sum())} records of shard {b.src}'s rows changed since they were read"
@@ -268,14 +343,17 @@ class TwoParity(StoreState):
     def apply_forward(self, b: DeltaBatch) -> None:
         """A degraded write's delta from the acting home of failed shard b.src's rows: each row at its next
         version (the acting home sends them in order, the rows locked). A repeat (its answer was lost) is
-        applied once. Remembered by worker step, for this server's turn as acting home (`cuts.via`)."""
+        applied once. Remembered by worker step, for this server's turn as acting home (`cuts.via`). Rows
+        whose record this replacement has not rebuilt keep the delta for the rebuild (ParityParticipant.apply),
+        which applies it if the members it encodes do not reflect it yet."""
         rows = self._from_acting_home(b)
         with self.lock:
-            flat = self.parity.pver.view(-1)
-            now = flat.index_select(0, b.index * self.placement.k + b.slot)
-            if bool((now == b.version).all()):
-                return  # applied before
-            if not bool((now == b.version - 1).all()):
+            ready = self.parity.ready.index_select(0, b.index)
+            now = self.parity.pver.view(-1).index_select(0, self.parity.key_of(b))[ready]
+            if bool((now == b.version[ready]).all()):
+                if bool(ready.all()):
+                    return  # applied before
+            elif not bool((now == b.version[ready] - 1).all()):
                 raise Busy(f"forward {b.txn}: rows of shard {b.src} are not at the version before")
             self.parity.apply(b)
             self.cuts.applied_via(step_of(b.txn), b.src, rows)
