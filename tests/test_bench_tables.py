@@ -95,7 +95,7 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
     def fake_run(ctx, out):
         ft = ctx.spec.fault_tolerance
         ec, streams = ft.ecrec, ctx.spec.workers.call_streams
-        order.append((ft.strategy, ec.k, ec.two_phase_commit, ec.replicate_dense, streams))
+        order.append((ft.strategy, ec.k, ec.r, ec.two_phase_commit, ec.replicate_dense, streams))
         rate = speed(len(order) - 1) * (1.0 if ft.strategy == "none" else 0.5)
         return {
             "samples_per_s": rate,
@@ -182,6 +182,36 @@ def test_bench_recovery_rounds_alternate_the_order_and_take_medians(tmp_path, mo
     assert summary[0]["ratio per round"] == "0.50 / 0.70 / 0.90"
     assert summary[0]["training lost s (at normal throughput)"] == pytest.approx(0.6)
     assert "rounds=3 (medians)" in capsys.readouterr().out
+
+
+def test_bench_recovery_of_two_servers_lost_at_once_runs_r2_and_spans_both_rebuilds(
+    tmp_path, monkeypatch, capsys
+):
+    import ecrec.bench as bench
+
+    def fake_run(ctx, out, kills):
+        assert kills == [(2, 8.0), (3, 8.0)]
+        ec = ctx.spec.fault_tolerance.ecrec
+        assert (ec.r, ctx.spec.servers.replicas) == (2, 6)
+        # 1000 samples/s, half of it from the first kill (8 s) until the later of the two rebuilds ends (11 s)
+        series = [[0.0, 0], [8.0, 8000], [11.0, 9500], [12.0, 10500]]
+        rec = {"detected_at": 8.2, "rows_recovered": 100}
+        return {
+            "recoveries": [
+                {**rec, "killed_at": 8.0, "continued_at": 8.3, "completed_at": 10.0},
+                {**rec, "killed_at": 8.01, "continued_at": 8.4, "completed_at": 11.0},
+            ],
+            "events": [{"kind": "recovery_started", "t": 9.0}],
+            "samples_series": series,
+            "parity_check": {"mismatches": 0},
+            "cpu": {"per_1000_samples": {"worker": 0.02, "server": 0.03, "coordinator": 0.001}},
+        }
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    (row,) = bench.bench_recovery("examples/local-small.yaml", [1], [4096], 8.0, 10, [], tmp_path, lost=2)
+    assert row["full_s"] == pytest.approx(3.0) and row["continue_s"] == pytest.approx(0.4)
+    assert row["during_ratio"] == pytest.approx(0.5) and row["rows_recovered"] == 200
+    assert "servers 2, 3 (r = 2) SIGKILLed at 8.0s" in capsys.readouterr().out
 
 
 def test_recovery_timeline_bins_the_throughput_around_the_kill_and_lists_the_events():

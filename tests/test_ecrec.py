@@ -23,6 +23,8 @@ DET = dict(
     training__steps=200,  # long enough (several seconds) for the kills below to land mid-training
     training__batchSize=64,
 )
+# r = 2 (P and Q) on six servers: the same logical model as DET (it depends neither on N nor on r)
+R2 = dict(DET, servers__replicas=6, faultTolerance__ecrec__r=2)
 
 
 def det_ctx(name: str, **extra):
@@ -324,6 +326,58 @@ def test_chaos_kills_random_servers_one_at_a_time_and_recovers_each(tmp_path):
     assert len(recs) == 2 and report["replacements"] == 2
     # one at a time: the second kill comes after the first recovery completed
     assert recs[0]["completed_at"] <= recs[1]["killed_at"]
+    assert_consistent(report)
+
+
+@pytest.mark.parametrize(
+    "kills",
+    [[(1, "step:60"), (2, "step:60")], [(0, "step:50"), (4, "step:50")], [(3, "step:60")]],
+    ids=["two-neighbours", "two-apart", "one"],
+)
+def test_r2_servers_killed_at_the_same_step_leave_parameters_bit_identical(tmp_path, baseline, kills):
+    """faultTolerance.ecrec.r: 2 (P and Q): two servers SIGKILLed at the same step (or one) — degraded reads
+    and writes go on at their acting homes, both replacements are rebuilt side by side — and the model ends
+    bit-identical to the undisturbed run of the same job with r = 1 on five servers (the logical model does
+    not depend on the number of servers or on r)."""
+    report = run_local(make_ctx("r2", **R2), tmp_path, progress=False, kills=kills)
+    assert_consistent(report)
+    assert sorted(rec["shard"] for rec in report["recoveries"]) == sorted(s for s, _ in kills), report[
+        "events"
+    ]
+    assert all(rec["rows_recovered"] > 0 for rec in report["recoveries"])
+    assert report["params_sha256"] == baseline
+
+
+def test_chaos_with_two_concurrent_kills_and_r2_recovers_both_each_time(tmp_path):
+    """`ecrec local --chaos 2 --concurrent 2` on a job with r = 2: each chaos event SIGKILLs two random servers
+    at the same moment; training goes on degraded, both are rebuilt side by side, then the next event."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_local import REPO
+
+    out = tmp_path / "out"
+    argv = ["local", "examples/local-small.yaml", "--set", "model.preset=tiny", "--set", "training.steps=700"]
+    argv += [
+        "--set",
+        "training.batchSize=256",
+        "--set",
+        "servers.replicas=6",
+        "--set",
+        "faultTolerance.ecrec.r=2",
+    ]
+    argv += ["--chaos", "2", "--concurrent", "2", "--seed", "5", "--quiet", "--out", str(out)]
+    res = subprocess.run(
+        [sys.executable, "-m", "ecrec.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr
+    report = json.loads((out / "report.json").read_text())
+    recs = sorted(report["recoveries"], key=lambda r: r["killed_at"])
+    assert len(recs) == 4 and report["replacements"] == 4, report["events"]
+    for first, second in (recs[:2], recs[2:]):  # two at the same moment, then two more after both recovered
+        assert first["shard"] != second["shard"] and abs(first["killed_at"] - second["killed_at"]) < 0.5
+    assert max(r["completed_at"] for r in recs[:2]) <= min(r["killed_at"] for r in recs[2:])
     assert_consistent(report)
 
 

@@ -176,13 +176,13 @@ CROSS_FIELD_CASES = {
         {**TINY, "servers": {"replicas": 4}, "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4}}},
         "spec.servers.replicas: strategy ecrec needs at least k + r = 5 servers, got 4",
     ),
-    "r2_not_accepted_yet": (
+    "r3_has_no_code": (
         {
             **TINY,
             "servers": {"replicas": 8},
-            "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4, "r": 2}},
+            "faultTolerance": {"strategy": "ecrec", "ecrec": {"k": 4, "r": 3}},
         },
-        "spec.faultTolerance.ecrec.r: r = 2 (P and Q, as in RAID-6) is not accepted yet",
+        "spec.faultTolerance.ecrec.r: r is 1 (P) or 2 (P and Q, as in RAID-6), got 3",
     ),
     "sum_code_has_no_r2": (
         {
@@ -214,7 +214,7 @@ CROSS_FIELD_FIXES = {
     "bottom_mlp_last_is_embedding_dim": "model.bottomMlp=[16, 8]",
     "top_mlp_last_is_one": "model.topMlp=[16, 1]",
     "ecrec_needs_k_plus_r_servers": "servers.replicas=5",
-    "r2_not_accepted_yet": "faultTolerance.ecrec.r=1",
+    "r3_has_no_code": "faultTolerance.ecrec.r=2",  # (r = 2 with P and Q is accepted)
     "sum_code_has_no_r2": "faultTolerance.ecrec.r=1",
     "deterministic_needs_one_worker": "workers.replicas=1",
     "criteo_needs_paths": "data.paths=[day_0.tsv]",

@@ -341,6 +341,16 @@ OVERHEAD_CASES = [
         "ECRec k=4, unary calls",
         ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4", "workers.callStreams=0"],
     ),
+    # two parity records per stripe (P and Q) survive two servers lost at once; they need k + 2 servers
+    (
+        "ECRec k=4 r=2, 6 servers",
+        [
+            "faultTolerance.strategy=ecrec",
+            "faultTolerance.ecrec.k=4",
+            "faultTolerance.ecrec.r=2",
+            "servers.replicas=6",
+        ],
+    ),
 ]
 
 
@@ -447,7 +457,14 @@ def recovery_run(report: dict) -> dict:
     """One `bench recovery` run's numbers. Throughput is samples trained over a window (`samples_rate`):
     normal from 2 s (after the warm-up) to the kill, "during" from the kill to full recovery — the issue's
     measure, stall included — and "rebuild" from the replacement's first lock group to full recovery."""
-    (rec,) = report["recoveries"]
+    recs = report["recoveries"]
+    # Several servers lost at once (`--lost 2`): from the first kill until the last of them is rebuilt.
+    rec = {
+        "killed_at": min(r["killed_at"] for r in recs),
+        "continued_at": max(r["continued_at"] for r in recs),
+        "completed_at": max(r["completed_at"] for r in recs),
+        "rows_recovered": sum(r["rows_recovered"] for r in recs),
+    }
     started = next(e["t"] for e in report["events"] if e["kind"] == "recovery_started")
     normal = samples_rate(report, 2.0, rec["killed_at"])
     during = samples_rate(report, rec["killed_at"], rec["completed_at"])
@@ -560,8 +577,10 @@ def bench_recovery(
     out_dir: Path,
     rounds: int = 1,
     timeline: bool = False,
+    lost: int = 1,
 ) -> list[dict]:
-    """Server 2 SIGKILLed `kill_at` seconds into training, for every (scale, lock group rows); with several
+    """Server 2 SIGKILLed `kill_at` seconds into training (`lost` = 2: servers 2 and 3 at the same moment, on
+    six servers with r = 2 unless `sets` say otherwise), for every (scale, lock group rows); with several
     rounds every configuration runs once per round, in alternating order, and each row gives medians over
     the rounds and lists each round's throughput ratio (a recovery lasts one or two seconds: one run says
     little about the throughput through it). `timeline`: each run also prints `recovery_timeline`."""
@@ -573,6 +592,7 @@ def bench_recovery(
             load_job_with(
                 job,
                 [
+                    *(["faultTolerance.ecrec.r=2", "servers.replicas=6"] if lost == 2 else []),
                     *sets,
                     f"model.scale={scale}",
                     f"training.steps={steps}",
@@ -590,7 +610,7 @@ def bench_recovery(
             sampler = CpuSampler()
         try:
             hook = {"on_tick": sampler.on_tick} if sampler is not None else {}
-            report = _run(ctx, out, kills=[(2, kill_at)], **hook)
+            report = _run(ctx, out, kills=[(2 + i, kill_at) for i in range(lost)], **hook)
         finally:
             if sampler is not None:
                 sampler.stop()
@@ -637,6 +657,7 @@ def bench_recovery(
         *cpu_columns(),
         Column("parity mismatches (most in a run)", lambda r: r["parity_mismatches"]),
     ]
-    title = f"# ecrec bench recovery: {job} {' '.join(sets)}, server 2 SIGKILLed at {kill_at}s"
+    killed = "server 2" if lost == 1 else f"servers {', '.join(str(2 + i) for i in range(lost))} (r = 2)"
+    title = f"# ecrec bench recovery: {job} {' '.join(sets)}, {killed} SIGKILLed at {kill_at}s"
     emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), columns, rows, out_dir)
     return rows

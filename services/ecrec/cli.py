@@ -325,6 +325,8 @@ def cmd_bench_recovery(args) -> int:
 
     if args.rounds < 1:
         raise SystemExit("ecrec bench recovery: --rounds must be at least 1")
+    if args.lost not in (1, 2):
+        raise SystemExit("ecrec bench recovery: --lost is 1 or 2 (servers killed at the same moment)")
     bench_recovery(
         args.job,
         [int(x) for x in args.scales.split(",")],
@@ -335,6 +337,7 @@ def cmd_bench_recovery(args) -> int:
         Path(args.out),
         rounds=args.rounds,
         timeline=args.timeline,
+        lost=args.lost,
     )
     return 0
 
@@ -639,6 +642,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeline",
         action="store_true",
         help="also print each run's throughput / normal by 0.1 s around the kill, and the recovery's events",
+    )
+    p.add_argument(
+        "--lost",
+        type=int,
+        default=1,
+        help="servers SIGKILLed at the same moment: 1 (server 2), or 2 (servers 2 and 3; r = 2 on six servers)",
     )
     p.add_argument("--out", default="out/bench-recovery")
     p.set_defaults(fn=cmd_bench_recovery)

@@ -233,6 +233,41 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
     assert m[("ecrec_operator_actions_total", (("kind", "create"),))] >= 1
 
 
+def test_two_server_pods_deleted_together_with_r2_are_both_replaced_and_rebuilt(kube, operator):
+    """faultTolerance.ecrec.r: 2 on six servers: `kubectl delete pod` of two server pods at once. Training goes
+    on degraded, the operator replaces both under their shard ids, both are rebuilt, and the job succeeds
+    with every stripe's P and Q equal to the encoding of its members."""
+    name = "e2e-kill-two"
+    spec = {"servers.replicas": 6, "faultTolerance.ecrec.r": 2}
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **spec))
+    wait_for(
+        "training to run",
+        lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
+        timeout=180,
+    )
+    shards = sorted(random.Random(11).sample(range(6), 2))
+    victims = [
+        pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={s}")[0]["metadata"]["name"]
+        for s in shards
+    ]
+    kube.kubectl("delete", "pod", "-n", NS, *victims, "--wait=false")
+
+    def finished():
+        st = get_job(kube, name).get("status") or {}
+        assert st.get("phase") != "Failed", st
+        return st if st.get("phase") == "Succeeded" and st.get("completionTime") else None
+
+    status = wait_for("the job to succeed", finished, timeout=300)
+    assert status["replacements"] >= 2
+    for s in shards:
+        recs = [r for r in status["recoveries"] if r["shard"] == s]
+        assert recs and recs[-1]["state"] == "completed" and recs[-1]["rowsRecovered"] > 0, status[
+            "recoveries"
+        ]
+    assert status["parityCheck"]["mismatches"] == 0 and status["parityCheck"]["stripes"] > 0
+    assert status["totalSteps"] == status["step"]
+
+
 def wait_failed(kube, name: str) -> dict:
     def failed():
         st = get_job(kube, name).get("status") or {}

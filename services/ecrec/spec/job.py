@@ -122,11 +122,8 @@ def _cross_field_problems(s: JobSpec) -> list[str]:
             )
         if ec.r == 2 and ec.code != "xor":
             out.append(f"spec.faultTolerance.ecrec.r: {SUM_HAS_NO_R2}")
-        elif ec.r != 1:
-            # r = 2 (issue #30): exact through failures in-process; not yet accepted (docs/protocol.md)
-            out.append(
-                "spec.faultTolerance.ecrec.r: r = 2 (P and Q, as in RAID-6) is not accepted yet; r is 1"
-            )
+        elif ec.r > 2:
+            out.append(f"spec.faultTolerance.ecrec.r: r is 1 (P) or 2 (P and Q, as in RAID-6), got {ec.r}")
     if s.training.deterministic and s.workers.replicas != 1:
         out.append(
             f"spec.workers.replicas: deterministic training needs exactly 1 worker, got {s.workers.replicas}"

@@ -237,7 +237,8 @@ class EcrecSpec(_Section):
     )
     r: PosInt = Field(
         default=1,
-        description="Parity records per stripe = server failures survived at once (only 1 is implemented)",
+        description="Parity records per stripe = server failures survived at once: 1 (P) or 2 (P and Q, as in "
+        "RAID-6; code xor)",
     )
     code: Literal["xor", "sum"] = Field(
         default="xor",
