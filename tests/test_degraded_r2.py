@@ -301,6 +301,27 @@ def recover_together(net: Net, shards: list[int], lock_group_rows: int = 64) -> 
                 net.call(WORKER, s, kind, torch.arange(lo, min(n, lo + lock_group_rows)))
 
 
+def run_pair(deliveries: str, pair: tuple[int, int], steps: int, fail=None) -> tuple[Net, NetTransport]:
+    """A single worker's steps writing the rows of both shards of `pair`. `fail(net)` (None: a job that never
+    fails) runs before step 3; before step 5 both shards are replaced and rebuilt side by side."""
+    a, b = pair
+    net = Net(ecrec_job(deliveries))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    for i in range(1, steps + 1):
+        if fail is not None and i == 3:
+            fail(net)
+        if fail is not None and i == 5:
+            net.replace(a)
+            net.replace(b)
+            recover_together(net, [a, b])
+        ga, grads_a = rows_and_grads(net.ctx, i, shard=a)
+        gb, grads_b = rows_and_grads(net.ctx, 100 + i, shard=b)
+        driver.apply(f"w0-{i}", torch.cat([ga, gb]), torch.cat([grads_a, grads_b]), dense_grad(net.ctx))
+    driver.flush_decisions()
+    return net, transport
+
+
 @pytest.mark.parametrize("deliveries", ["ride", "own"])
 @pytest.mark.parametrize("pair", [(1, 2), (1, 5), (0, 3)])
 def test_two_shards_lost_at_the_same_step_are_written_degraded_then_rebuilt_together(deliveries, pair):
@@ -308,33 +329,13 @@ def test_two_shards_lost_at_the_same_step_are_written_degraded_then_rebuilt_toge
     Q's where P's server is one of the two; a stripe with both lost members decodes from P and Q together),
     then two replacements register and are rebuilt side by side. Every row the worker writes belongs to the
     two lost shards; the model and P and Q of every stripe end bit-identical to a job that never failed."""
-    a, b = pair
-    steps = 6
 
-    def rows(ctx, i):
-        ga, grads_a = rows_and_grads(ctx, i, shard=a)
-        gb, grads_b = rows_and_grads(ctx, 100 + i, shard=b)
-        return torch.cat([ga, gb]), torch.cat([grads_a, grads_b])
+    def kill(net: Net) -> None:
+        for s in pair:
+            net.kill(s)
 
-    def run(fail: bool) -> tuple[Net, NetTransport]:
-        net = Net(ecrec_job(deliveries))
-        transport = NetTransport(net)
-        driver = DeltaLogDriver(transport)
-        for i in range(1, steps + 1):
-            if fail and i == 3:
-                net.kill(a)
-                net.kill(b)
-            if fail and i == 5:
-                net.replace(a)
-                net.replace(b)
-                recover_together(net, [a, b])
-            g, grads = rows(net.ctx, i)
-            driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
-        driver.flush_decisions()
-        return net, transport
-
-    net, transport = run(True)
-    ref, _ = run(False)
+    net, transport = run_pair(deliveries, pair, 6, kill)
+    ref, _ = run_pair(deliveries, pair, 6)
     assert transport.degraded_writes > 0
     assert all(net[s].recovery_done() for s in pair)
     assert_same_model(logical_model(net), logical_model(ref))
@@ -352,45 +353,25 @@ def test_two_shards_dying_while_their_deltas_are_delivered_lose_nothing(deliveri
     record took a lost member's delta and the other refused it, the one behind takes the delta it kept when it
     refused it (and no other). Degraded writes, then two replacements rebuilt side by side: the model and P
     and Q of every stripe end bit-identical to a job that never failed."""
-    a, b = pair
-    steps = 6
     method = "deliver_early" if deliveries == "ride" else "deliver"
+    killed, reached = [], []  # reached: parity servers that took the deltas before the failure
 
-    def rows(ctx, i):
-        ga, grads_a = rows_and_grads(ctx, i, shard=a)
-        gb, grads_b = rows_and_grads(ctx, 100 + i, shard=b)
-        return torch.cat([ga, gb]), torch.cat([grads_a, grads_b])
-
-    def run(fail: bool) -> tuple[Net, list, list]:
-        net = Net(ecrec_job(deliveries))
-        driver = DeltaLogDriver(NetTransport(net))
-        killed, reached = [], []  # reached: parity servers that took the deltas before the failure
-
+    def cut_when_delivered(net: Net) -> None:
         def cut(call) -> None:
             if killed or call.caller in pair or call.method != method or call.phase != "before":
                 return
             if call.server >= cut_at:
                 killed.append(call.server)
-                net.kill(a)
-                net.kill(b)
+                for s in pair:
+                    net.kill(s)
             else:
                 reached.append(call.server)
 
-        for i in range(1, steps + 1):
-            if fail and i == 3:
-                net.hooks.append(cut)
-            if fail and i == 5:
-                net.replace(a)
-                net.replace(b)
-                recover_together(net, [a, b])
-            g, grads = rows(net.ctx, i)
-            driver.apply(f"w0-{i}", g, grads, dense_grad(net.ctx))
-        driver.flush_decisions()
-        return net, killed, reached
+        net.hooks.append(cut)
 
-    net, killed, reached = run(True)
+    net, _ = run_pair(deliveries, pair, 6, cut_when_delivered)
     assert killed, "the failure was never injected"
-    ref, _, _ = run(False)
+    ref, _ = run_pair(deliveries, pair, 6)
     assert all(net[s].recovery_done() for s in pair)
     assert_same_model(logical_model(net), logical_model(ref))
     assert_parity_ok(net)

@@ -131,3 +131,13 @@ def test_more_than_r_servers_killed_at_once_fails_the_job_with_the_reason(tmp_pa
     # Before stopping them, the launcher had every process still alive write where it waited (SIGUSR1).
     for name in ("coordinator", "worker-0", "server-0"):
         assert "most recent call first" in (tmp_path / "logs" / f"{name}.log").read_text(), name
+
+
+def test_a_third_server_lost_with_r2_fails_the_job_naming_the_three_shards(tmp_path):
+    """r = 2 survives two servers lost at once (tests/test_ecrec.py); a third lost with them cannot be rebuilt."""
+    ctx = det_ctx("three-kills", training__steps=100000, servers__replicas=6, faultTolerance__ecrec__r=2)
+    with pytest.raises(JobFailed) as err:
+        run_local(ctx, tmp_path, progress=False, kills=[(1, 1.0), (2, 1.0), (3, 1.0)])
+    reason = str(err.value)
+    assert "3 servers lost at once, more than r=2" in reason, reason
+    assert all(f"{s} (" in reason for s in (1, 2, 3)) and "stripes lost" in reason
