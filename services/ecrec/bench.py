@@ -458,6 +458,8 @@ def recovery_run(report: dict) -> dict:
     normal from 2 s (after the warm-up) to the kill, "during" from the kill to full recovery — the issue's
     measure, stall included — and "rebuild" from the replacement's first lock group to full recovery."""
     recs = report["recoveries"]
+    if not recs:
+        raise SystemExit("ecrec bench recovery: the kill did not land: training ended first (raise --steps)")
     # Several servers lost at once (`--lost 2`): from the first kill until the last of them is rebuilt.
     rec = {
         "killed_at": min(r["killed_at"] for r in recs),
