@@ -28,10 +28,7 @@ class ParityDeltas(StoreState):
         with self.lock:
             if src in self.acting.cache and commit and (txn, src) in self.parity.staged:
                 # A dead server's own update committed on its behalf changes its lost rows: forget them.
-                p = self.placement
-                rows = torch.cat(
-                    [p.parity_slot(b.index)[1] * p.k + b.slot for b in self.parity.staged[(txn, src)]]
-                )
+                rows = torch.cat([self._rows_of(b) for b in self.parity.staged[(txn, src)]])
                 self.acting.invalidate(src, rows)
                 self.cuts.unalign(src, rows)
             out = self.parity.commit(txn, src) if commit else self.parity.abort(txn, src)

@@ -248,8 +248,8 @@ class LoggedUpdates(StoreState):
         return out
 
     def _incarnation(self, shard: int) -> int:
-        key = getattr(self.peers, "failure_key", None)
-        return int(key(shard)) if key is not None else 0
+        """The shard's incarnation in this server's map; 0 where it has none (TwoParity._failure_key: None)."""
+        return int(self._failure_key(shard) or 0)
 
     def _refuses(self, b: DeltaBatch) -> bool:
         """Is the incarnation that applied `b` failed or replaced in this server's map? (Needs `lock`.)"""

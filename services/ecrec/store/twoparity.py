@@ -28,15 +28,26 @@ class TwoParity(StoreState):
         key = getattr(self.peers, "failure_key", None)
         return key(src) if key is not None else None
 
+    def _recovering(self, server: int) -> bool:
+        """A replacement whose records are being rebuilt, in this server's map (peers without one: never)."""
+        recovering = getattr(self.peers, "is_recovering", None)
+        return recovering is not None and recovering(server)
+
     def _down(self) -> set[int]:
         """Servers whose records no decode can read: failed in this server's map, or replacements that have
         not rebuilt them (their state says recovering)."""
-        recovering = getattr(self.peers, "is_recovering", lambda _s: False)
         return {
             s
             for s in range(self.ctx.num_servers)
-            if self.peers.is_failed(s) or (s != self.shard and recovering(s))
+            if self.peers.is_failed(s) or (s != self.shard and self._recovering(s))
         }
+
+    def _send(self, batches: list[DeltaBatch], what: str) -> None:
+        """Deliver an acting home's or a replacement's batches to the other parity servers; Busy, naming
+        `what`, unless each took them or is confirmed failed (its records are re-encoded when rebuilt)."""
+        for server, err in self.peers.deltas(batches, True, self.epoch).items():
+            if err is not None and not self.peers.confirm_failed(server):
+                raise Busy(f"{what}: parity server {server} did not take it: {err}")
 
     def _groups(self, src: int, local: torch.Tensor) -> list[tuple[torch.Tensor, int, tuple | None]]:
         """Failed shard src's rows `local` at this acting home by the parity record it holds of them: as P
@@ -60,7 +71,7 @@ class TwoParity(StoreState):
     def _ready_at(self, server: int, index: torch.Tensor) -> torch.Tensor:
         """Which of parity records `index` of `server` are rebuilt: all, unless it is a replacement still
         being rebuilt (then asked)."""
-        if not getattr(self.peers, "is_recovering", lambda _s: False)(server):
+        if not self._recovering(server):
             return torch.ones(index.numel(), dtype=torch.bool)
         (res,) = self.peers.read_rows([Read(server, "parity", index)], self.epoch)
         return res.ready.to(torch.bool)
@@ -110,11 +121,12 @@ class TwoParity(StoreState):
             zero = torch.zeros(at.numel(), self.ctx.record_width)
             b = DeltaBatch(server, txn, src, index, slot[at], zero, versions[at])
             b.via, b.base = self.shard, versions[at]
-            err = self.peers.deltas([b], True, self.epoch).get(server)
-            if err is not None and not self.peers.confirm_failed(server):
+            try:
+                self._send([b], f"aligning shard {src}'s rows")
+            except Busy:
                 with self.lock:
                     self.acting.invalidate(src, rows)
-                raise Busy(f"aligning shard {src}'s rows at parity server {server}: {err}")
+                raise
         with self.lock:
             self.cuts.align(src, key, rows, versions)
 
@@ -147,9 +159,7 @@ class TwoParity(StoreState):
             d = self._as_parity(self.code.delta(theirs, union), slot, jo)
             b = DeltaBatch(server, txn, src, index, slot, d, cut)  # (the write's txn: its acting home, src)
             b.via, b.base = self.shard, tv
-            err = self.peers.deltas([b], True, self.epoch).get(server)
-            if err is not None and not self.peers.confirm_failed(server):
-                raise Busy(f"aligning shard {src}'s rows at parity server {server}: {err}")
+            self._send([b], f"aligning shard {src}'s rows")
             with self.lock:
                 self.stats["rows_realigned"] += int((tv != mv).sum())
         with self.lock:
@@ -199,11 +209,7 @@ class TwoParity(StoreState):
                     incarnation=failed,
                 )
                 b.via, b.base = self.shard, hv
-                err = self.peers.deltas([b], True, self.epoch).get(server)
-                if err is not None and not self.peers.confirm_failed(server):
-                    raise Busy(
-                        f"aligning rebuilt rows of shard {self.shard} at parity server {server}: {err}"
-                    )
+                self._send([b], f"aligning rebuilt rows of shard {self.shard}")
             with self.lock:
                 self.stats["rows_realigned"] += int((tv != mv).sum())
             records[at], versions[at] = union, cut
@@ -263,9 +269,7 @@ class TwoParity(StoreState):
         not taken it; the worker commits again, or expiry does."""
         with self.lock:
             self.cuts.sent.add(txn)
-        for server, err in self.peers.deltas(forwards, True, self.epoch).items():
-            if err is not None and not self.peers.confirm_failed(server):
-                raise Busy(f"degraded write {txn}: parity server {server} did not take it: {err}")
+        self._send(forwards, f"degraded write {txn}")
 
     # -- either parity server: deltas refused, and a catch-up ------------------------------------------------
     def _keep_refused(self, b: DeltaBatch) -> None:
@@ -281,14 +285,13 @@ class TwoParity(StoreState):
     def _failed_incarnations(self) -> dict[int, int]:
         """Per failed shard, the incarnation whose failure a decode is about: the one in this server's map
         while it is failed, the one before it while its replacement is rebuilt. Asked before taking `lock`."""
-        recovering = getattr(self.peers, "is_recovering", lambda _s: False)
         out = {}
         for s in range(self.ctx.num_servers):
             key = self._failure_key(s)
             if key is not None and s != self.shard:
                 if self.peers.is_failed(s):
                     out[s] = key
-                elif recovering(s):
+                elif self._recovering(s):
                     out[s] = key - 1
         return out
 
