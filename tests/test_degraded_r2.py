@@ -426,3 +426,55 @@ def test_a_write_forwarded_to_a_replacement_not_rebuilt_waits_there_for_its_rebu
     assert all(net[s].recovery_done() for s in (a, b))
     assert_same_model(logical_model(net), logical_model(ref))
     assert_parity_ok(net)
+
+
+def test_a_parity_server_that_heard_of_the_failure_first_still_gets_every_delta_of_the_step():
+    """As when two server pods are deleted together: both data servers answer the worker's stage (a pod
+    serves through its grace period) and die while their deltas are delivered; parity server 4 heard of the
+    failure first and turns away the worker's messages as of a stale map (its stage, carrying the last step's
+    deltas, and the delivery of this step's), while the others took this step's deltas. Before the worker
+    finishes the last step — whose rows server 4 now refuses, written again and decoded from stripes that
+    lost both shards — it asks again for this step's: server 4 refuses them too, keeps them, and catches up
+    with them where the other record took them. (Found live: the worker finished the last step first, and its
+    degraded write waited for a consistent cut forever.) Bit-identical to a job that never failed."""
+    pair, x = (1, 2), 4
+    answered, delivered, turned_away = set(), set(), []
+
+    def arm(net: Net) -> None:
+        def hook(call) -> None:
+            if call.caller != WORKER:
+                return
+            if call.method == "apply_part" and call.phase == "after" and call.server in pair:
+                answered.add(call.server)
+                if answered == set(pair):  # both answered: server 4 hears of the failure before the worker
+                    net[x].epoch = net.epoch + 1
+                    transport.before_deliver[x] = lambda: turned_away.append(x)
+            elif call.method == "deliver" and call.phase == "after" and answered == set(pair):
+                delivered.add(call.server)
+                if delivered == set(net.stores) - {x}:  # every other parity server took the step's deltas
+                    net.hooks.remove(hook)
+                    for s in pair:
+                        net.kill(s)
+
+        net.hooks.append(hook)
+
+    net = Net(ecrec_job("ride"))
+    transport = NetTransport(net)
+    driver = DeltaLogDriver(transport)
+    for i in range(1, 7):
+        if i == 3:
+            arm(net)
+        if i == 5:
+            for s in pair:
+                net.replace(s)
+            recover_together(net, list(pair))
+        ga, grads_a = rows_and_grads(net.ctx, i, shard=pair[0])
+        gb, grads_b = rows_and_grads(net.ctx, 100 + i, shard=pair[1])
+        driver.apply(f"w0-{i}", torch.cat([ga, gb]), torch.cat([grads_a, grads_b]), dense_grad(net.ctx))
+    driver.flush_decisions()
+    assert turned_away and all(net.is_failed(s) is False for s in pair), "the failure was never injected"
+    ref, _ = run_pair("ride", pair, 6)
+    assert all(net[s].recovery_done() for s in pair)
+    assert_same_model(logical_model(net), logical_model(ref))
+    assert_parity_ok(net)
+    assert net[x].stats["rows_caught_up"] > 0

@@ -247,3 +247,27 @@ def test_the_answers_to_a_ride_mark_each_row_applied_held_refused_or_unknown(ctx
     rides2.answered(held_s, pb.StageResponse())
     (settled2,) = rides2.settle(p)
     assert bool(update2.rows_done[part2.pos].all()) and settled2.done == [part2] and not settled2.needs_finish
+
+
+def test_carried_updates_are_all_asked_again_before_any_is_finished(ctx):
+    """Several carried updates to finish at once (their rides failed, or parts held too long): each one's deltas
+    are asked for again before the first one's rows go anywhere else, since that write's decode can need a
+    later one's deltas at a parity server that missed them (tests/test_degraded_r2.py, the parity server that
+    heard of the failure first). Asked in step order, so the records still take each row's updates in order."""
+    net = Net(ctx)
+    driver = DeltaLogDriver(NetTransport(net))
+    carried = []
+    for i in (1, 2):  # two steps whose deltas are still with the worker, neither carried by the other
+        apply(driver, f"w0-{i}", i)
+        carried += driver._take_carried()
+    assert len(carried) == 2
+    order = []
+    ask, run = driver._ask_again, driver._run
+    driver._ask_again = lambda unanswered, g, update, *a: (
+        order.append(("ask", update.step)) or ask(unanswered, g, update, *a)
+    )
+    driver._run = lambda update, *a, **kw: order.append(("run", update.step)) or run(update, *a, **kw)
+    driver._finish(carried)
+    assert order == [("ask", "w0-1"), ("ask", "w0-2"), ("run", "w0-1"), ("run", "w0-2")]
+    assert parity_check(net)["mismatches"] == 0
+    assert_same_model(logical_model(net), logical_model(in_order(ctx, [("w0-1", 1), ("w0-2", 2)])))

@@ -130,24 +130,44 @@ class DeltaLogDriver:
         """Take what the answers to `rides` say (every one answered or lost): parts applied are acknowledged on the
         next stage, held ones ride again; anything unusual is delivered at once, before this step's update
         goes on, so an earlier step's rows written again precede this step's retries."""
+        finish = []
         for settled in rides.settle(self.ctx.placement):
             for part in settled.done:
                 self.acks.add(part.target, part.txn)
             if settled.refused:
                 self.client.refresh()  # a data server is failed or replaced: plan with the new map
             if settled.needs_finish or not self._riding():
-                self._finish([settled.carried])
+                finish.append(settled.carried)
             elif settled.carried.held:
                 self._keep(settled.carried)
+        self._finish(finish)
 
     def _finish(self, carried: list[Carried]) -> None:
         """Deliver what is left of carried updates as without riding: asked again, answered once applied, refused
-        rows written again."""
+        rows written again. Every one is asked again before any is finished (see `_ask_again`)."""
+        runs = []
         for c in carried:
             retries = Retries(f"update {c.update.step}", self.client.progress_timeout, self.client.interrupt)
             unanswered = c.unanswered()
             c.fresh, c.held, c.lost = [], [], []
+            if unanswered:
+                unanswered = self._ask_again(unanswered, c.g, c.update, retries, {})
+            runs.append((c, retries, unanswered))
+        for c, retries, unanswered in runs:
             self._run(c.update, c.g, c.grads, c.dense_grad, retries, unanswered=unanswered)
+
+    def _ask_again(
+        self, unanswered: list, g: torch.Tensor, update: StepUpdate, retries: Retries, errors: dict
+    ) -> list[tuple[Part, list]]:
+        """Deliver again, after the map is fetched anew where a server said so (`errors`, emptied), deltas a live
+        parity server did not answer for, before an earlier step's update is finished. That step's rows written
+        again are decoded from their stripes, and a stripe can need these deltas: a data server that applied
+        this step's part and failed since (with r = 2 its rows' two parity records stay apart until each has
+        taken, or refused and kept, every delta of it the other took: core/cuts.py)."""
+        for server, e in errors.items():
+            self.client.recover_from(server, e)
+        errors.clear()
+        return self._deliver_wave(unanswered, g, update, retries, errors, again=True)
 
     def _run(
         self,
@@ -212,6 +232,8 @@ class DeltaLogDriver:
                 if rides is not None:
                     self._await_alone(rides, alone)
                     alone, settle, rides = [], rides, None
+                    if unanswered:
+                        unanswered = self._ask_again(unanswered, g, update, retries, errors)
                     self._settle(settle)
                 # (riding: the earlier steps' deltas are delivered by now, and this step's staged)
                 fault_point("worker:after_deliver")

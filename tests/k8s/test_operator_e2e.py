@@ -233,11 +233,6 @@ def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kub
     assert m[("ecrec_operator_actions_total", (("kind", "create"),))] >= 1
 
 
-@pytest.mark.skip(
-    reason="known failure (issue #30): both replacements register within a second of the delete while the "
-    "killed pods are still stopping (SIGTERM, 1 s grace); P and Q end apart on stripes that lost both shards, "
-    "with no refused delta kept to catch up, and the rebuilds' decodes never read a consistent cut"
-)
 def test_two_server_pods_deleted_together_with_r2_are_both_replaced_and_rebuilt(kube, operator):
     """faultTolerance.ecrec.r: 2 on six servers: `kubectl delete pod` of two server pods at once. Training goes
     on degraded, the operator replaces both under their shard ids, both are rebuilt, and the job succeeds
