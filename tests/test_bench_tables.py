@@ -95,7 +95,9 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
     def fake_run(ctx, out):
         ft = ctx.spec.fault_tolerance
         ec, streams = ft.ecrec, ctx.spec.workers.call_streams
-        order.append((ft.strategy, ec.k, ec.r, ec.two_phase_commit, ec.replicate_dense, streams))
+        order.append(
+            (ft.strategy, ec.k, ec.r, ec.two_phase_commit, ec.replicate_dense, streams, ctx.num_servers)
+        )
         rate = speed(len(order) - 1) * (1.0 if ft.strategy == "none" else 0.5)
         return {
             "samples_per_s": rate,
@@ -124,7 +126,7 @@ def test_bench_overhead_rounds_alternate_the_order_and_compare_each_round_with_i
     k4 = rows[2]
     assert k4["rpcs_per_step"] == 8.0 and k4["load"]["work"] == 1.5 and k4["cpu"]["server"] == 0.03
     assert math.isnan(k4["cpu"]["coordinator"])
-    # the most mismatches any of its runs had (k=4 ran 3rd, 10th, 15th: 1, 0, 1); none without parity
+    # the most mismatches any of its runs had (k=4 ran 3rd, 14th, 19th: 1, 0, 1); none without parity
     assert k4["parity_mismatches"] == 1 and rows[0]["parity_mismatches"] is None
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[2]["ratio per round"] == " / ".join(f"{x:.2f}" for x in k4["ratios"])

@@ -341,7 +341,12 @@ OVERHEAD_CASES = [
         "ECRec k=4, unary calls",
         ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4", "workers.callStreams=0"],
     ),
-    # two parity records per stripe (P and Q) survive two servers lost at once; they need k + 2 servers
+    # two parity records per stripe (P and Q) survive two servers lost at once; they need k + 2 servers, so
+    # r = 1 on as many servers beside them tells Q's cost from a sixth server's
+    (
+        "ECRec k=4, 6 servers",
+        ["faultTolerance.strategy=ecrec", "faultTolerance.ecrec.k=4", "servers.replicas=6"],
+    ),
     (
         "ECRec k=4 r=2, 6 servers",
         [

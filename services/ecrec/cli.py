@@ -579,7 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/bench-codes", help="summary.json goes here")
     p.set_defaults(fn=cmd_bench_codes)
 
-    p = bench.add_parser("overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication")
+    p = bench.add_parser(
+        "overhead", help="No FT vs ECRec k=2/k=4/no 2PC/no dense replication/unary calls/r=2"
+    )
     p.add_argument("--job", default="examples/local-small.yaml")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument(
