@@ -164,6 +164,12 @@ def test_a_record_behind_catches_up_with_the_deltas_it_refused_in_version_order_
     assert torch.equal(part.parity[b1.index[0]].view(torch.int32), want.view(torch.int32))
     assert part.pver[b1.index[0], slot] == 2 and part.pver[b2.index[1], slot] == 0
     assert cuts.catch_up(part, blocks, target, {src: 2}.get) == 0  # there already: nothing twice
+    # row 1's record asked alone: its first update applies, and row 0's third (kept, next in line, but its
+    # record not among those asked) does not
+    only = torch.zeros(1, P.k, dtype=torch.int64)
+    only[0, slot] = 1
+    assert cuts.catch_up(part, b2.index[1:], only, {src: 2}.get) == 1
+    assert part.pver[b2.index[1], slot] == 1 and part.pver[b1.index[0], slot] == 2
 
 
 def test_rows_aligned_keep_nothing_and_an_incarnation_without_a_name_or_an_older_one_is_not_kept():

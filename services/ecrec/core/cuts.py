@@ -180,9 +180,15 @@ class Cuts:
         `failed(src)`: the incarnation of shard src whose failure is being decoded (None: src is not failed,
         its deltas are not refused). Returns how many rows were applied."""
         k = parity.placement.k
-        want = torch.zeros(parity.pver.numel(), dtype=torch.int64)
-        keys = (index.view(-1, 1) * k + torch.arange(k)).view(-1)
-        want.scatter_reduce_(0, keys, target.reshape(-1), reduce="amax")
+        # the target of each (record, member) asked, sorted by key: sized to the rows asked, not the table
+        keys, at = torch.unique((index.view(-1, 1) * k + torch.arange(k)).view(-1), return_inverse=True)
+        wants = torch.zeros(keys.numel(), dtype=torch.int64)
+        wants.scatter_reduce_(0, at, target.reshape(-1), reduce="amax")
+
+        def want(key: torch.Tensor) -> torch.Tensor:  # 0 (no target) for a key not asked
+            pos = torch.searchsorted(keys, key).clamp_(max=max(keys.numel() - 1, 0))
+            return torch.where(keys[pos] == key, wants[pos], 0) if keys.numel() else torch.zeros_like(key)
+
         flat = parity.pver.view(-1)
         applied, progress = 0, True
         while progress:
@@ -192,7 +198,7 @@ class Cuts:
                 if failed(b.src) != b.incarnation:
                     continue
                 key = parity.key_of(b)
-                go = (b.version == flat.index_select(0, key) + 1) & (b.version <= want.index_select(0, key))
+                go = (b.version == flat.index_select(0, key) + 1) & (b.version <= want(key))
                 go &= self._open(b.src, b.incarnation, kk.rows)
                 if not bool(go.any()):
                     continue
