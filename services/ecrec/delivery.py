@@ -145,14 +145,15 @@ class DeltaLogDriver:
     def _finish(self, carried: list[Carried]) -> None:
         """Deliver what is left of carried updates as without riding: asked again, answered once applied, refused
         rows written again. Every one is asked again before any is finished (see `_ask_again`)."""
-        runs = []
+        runs, errors = [], {}
         for c in carried:
             retries = Retries(f"update {c.update.step}", self.client.progress_timeout, self.client.interrupt)
             unanswered = c.unanswered()
             c.fresh, c.held, c.lost = [], [], []
             if unanswered:
-                unanswered = self._ask_again(unanswered, c.g, c.update, retries, {})
+                unanswered = self._ask_again(unanswered, c.g, c.update, retries, errors)
             runs.append((c, retries, unanswered))
+        self._recover(errors)
         for c, retries, unanswered in runs:
             self._run(c.update, c.g, c.grads, c.dense_grad, retries, unanswered=unanswered)
 
@@ -164,10 +165,14 @@ class DeltaLogDriver:
         again are decoded from their stripes, and a stripe can need these deltas: a data server that applied
         this step's part and failed since (with r = 2 its rows' two parity records stay apart until each has
         taken, or refused and kept, every delta of it the other took: core/cuts.py)."""
+        self._recover(errors)
+        return self._deliver_wave(unanswered, g, update, retries, errors, again=True)
+
+    def _recover(self, errors: dict) -> None:
+        """React to the retryable errors of a pass (a stale map: fetch it anew) and forget them."""
         for server, e in errors.items():
             self.client.recover_from(server, e)
         errors.clear()
-        return self._deliver_wave(unanswered, g, update, retries, errors, again=True)
 
     def _run(
         self,
@@ -232,6 +237,9 @@ class DeltaLogDriver:
                 if rides is not None:
                     self._await_alone(rides, alone)
                     alone, settle, rides = [], rides, None
+                    # (a stage a parity server turned away as of a stale map lost what rode on it: the map
+                    # is fetched before that is asked for again)
+                    self._recover(errors)
                     if unanswered:
                         unanswered = self._ask_again(unanswered, g, update, retries, errors)
                     self._settle(settle)
@@ -245,8 +253,7 @@ class DeltaLogDriver:
                 # deltas above arrive, their stripes cannot be decoded by anyone (degraded reads, rebuilds).
                 for server in sorted(unreachable):
                     self.client.report_failure(server)
-                for server, e in errors.items():
-                    self.client.recover_from(server, e)
+                self._recover(errors)
                 if not unanswered and update.finished(self.client.view()):
                     return None
                 retries.check()
