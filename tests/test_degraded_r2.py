@@ -7,6 +7,8 @@ same updates applied to a job that never failed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -289,9 +291,12 @@ def test_a_replacement_rebuilds_the_union_of_both_records_and_skips_what_it_foun
     assert_parity_ok(net)
 
 
-def recover_together(net: Net, shards: list[int], lock_group_rows: int = 64) -> None:
+def recover_together(
+    net: Net, shards: list[int], lock_group_rows: int = 64, between: Callable[[], None] | None = None
+) -> None:
     """The coordinator's recovery plans of several replacements side by side: dense chunks, then every data
-    lock group, then every parity group (a parity re-encode reads members another replacement rebuilds)."""
+    lock group, then every parity group (a parity re-encode reads members another replacement rebuilds).
+    `between()` runs after each lock group, e.g. to apply updates while the rebuilds are under way."""
     for s in shards:
         net.call(WORKER, s, "copy_dense")
     for kind in ("rebuild_rows", "rebuild_parity"):
@@ -299,6 +304,8 @@ def recover_together(net: Net, shards: list[int], lock_group_rows: int = 64) -> 
             n = net[s].num_rows if kind == "rebuild_rows" else net[s].parity.parity.shape[0]
             for lo in range(0, n, lock_group_rows):
                 net.call(WORKER, s, kind, torch.arange(lo, min(n, lo + lock_group_rows)))
+                if between is not None:
+                    between()
 
 
 def run_pair(deliveries: str, pair: tuple[int, int], steps: int, fail=None) -> tuple[Net, NetTransport]:

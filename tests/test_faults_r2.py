@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.netsim import WORKER, Net, Worker, assert_parity_ok, assert_same_model, bits, logical_model
-from tests.test_store_protocol import make_updates, rows_of
+from tests.netsim import WORKER, assert_parity_ok, assert_same_model, bits, logical_model
+from tests.test_degraded_r2 import recover_together
+from tests.test_store_protocol import Twins, make_updates, rows_of
 from tests.test_store_r2 import N, ecrec_job
 
 S, T = 2, 3  # the data server of the faulty part, and another data server of its stripes
@@ -53,36 +54,29 @@ def ctx():
 @pytest.mark.parametrize("fault", FAULTS)
 def test_two_failures_at_any_step_recover_bit_identical_to_no_failure(ctx, fault):
     victims, match = FAULTS[fault]
-    net, twin = Net(ctx), Net(ctx)
-    w, tw = Worker(net), Worker(twin)
+    both = Twins(ctx)
+    net, twin = both.net, both.twin
     updates = make_updates(ctx, 10, seed=7)
-
-    def both(u) -> None:
-        w.update(*u)
-        tw.update(*u)
-
     for u in updates[:2]:
-        both(u)
-    net.on(match.pop("method"), lambda _call: [net.kill(v) for v in victims], caller=WORKER, **match)
-    both(updates[2])
+        both.update(u)
+    net.on(hook=lambda _call: [net.kill(v) for v in victims], caller=WORKER, **match)
+    both.update(updates[2])
     assert all(net.is_failed(v) for v in victims), "the fault point was not reached"
     for u in updates[3:5]:  # degraded writes of the victims' rows at their acting homes
-        both(u)
+        both.update(u)
     for v in victims:  # degraded reads: every update exactly once
         lost = rows_of(ctx, v)
-        assert torch.equal(bits(w.pull(lost)), bits(twin[v].rows.records[:, : ctx.dim])), f"shard {v}"
+        got = both.worker.pull(lost)
+        assert torch.equal(bits(got), bits(twin[v].rows.records[:, : ctx.dim])), f"shard {v}"
     for v in victims:
         net.replace(v)
     more = iter(updates[5:])
-    for v in victims:  # the coordinator's recovery plans side by side (tests/test_degraded_r2.py), and an
-        net.call(WORKER, v, "copy_dense")  # update after each lock group while there are any left
-    for kind in ("rebuild_rows", "rebuild_parity"):
-        for v in victims:
-            n = net[v].num_rows if kind == "rebuild_rows" else net[v].parity.parity.shape[0]
-            for lo in range(0, n, 200):
-                net.call(WORKER, v, kind, torch.arange(lo, min(n, lo + 200)))
-                if (u := next(more, None)) is not None:
-                    both(u)
+
+    def between() -> None:  # an update after each lock group while there are any left
+        if (u := next(more, None)) is not None:
+            both.update(u)
+
+    recover_together(net, list(victims), lock_group_rows=200, between=between)
     assert next(more, None) is None, "fewer lock groups than updates: some ran after the rebuilds"
     assert all(net[s].recovery_done() for s in range(N))
     assert_same_model(logical_model(net), logical_model(twin))

@@ -74,6 +74,18 @@ def make_updates(ctx: JobContext, n: int, seed: int, cold: int = 200) -> list[Up
     return out
 
 
+class Twins:
+    """A Net and its failure-free twin, a worker on each: every update goes to both."""
+
+    def __init__(self, ctx: JobContext):
+        self.net, self.twin = Net(ctx), Net(ctx)
+        self.worker, self._twin_worker = Worker(self.net), Worker(self.twin)
+
+    def update(self, u: Update) -> None:
+        self.worker.update(*u)
+        self._twin_worker.update(*u)
+
+
 def reference(ctx: JobContext, start: Model, updates: list[Update]) -> Model:
     """The updates applied with the optimizer directly on the logical model, no servers involved."""
     opt = ctx.optimizer
@@ -267,23 +279,20 @@ FAULTS = {
 @pytest.mark.parametrize("fault", FAULTS)
 def test_single_failure_at_any_step_recovers_bit_identical_to_no_failure(ctx, fault):
     victim, match = FAULTS[fault]
-    net, twin = Net(ctx), Net(ctx)
-    w, tw = Worker(net), Worker(twin)
+    both = Twins(ctx)
+    net, twin = both.net, both.twin
     updates = make_updates(ctx, 12, seed=4)
     for u in updates[:2]:
-        w.update(*u)
-        tw.update(*u)
+        both.update(u)
     net.kill_at(victim=victim, **match)
-    w.update(*updates[2])
-    tw.update(*updates[2])
+    both.update(updates[2])
     assert net.is_failed(victim), "the fault point was not reached"
     assert_matches_twin(net, twin)  # degraded reads see the update exactly once
 
     for u in updates[3:5]:  # degraded writes of the victim's rows at their acting homes
-        w.update(*u)
-        tw.update(*u)
+        both.update(u)
     lost = rows_of(ctx, victim)
-    assert torch.equal(bits(w.pull(lost)), bits(twin[victim].rows.records[:, : ctx.dim]))
+    assert torch.equal(bits(both.worker.pull(lost)), bits(twin[victim].rows.records[:, : ctx.dim]))
     assert_matches_twin(net, twin)
 
     net.replace(victim)
@@ -292,8 +301,7 @@ def test_single_failure_at_any_step_recovers_bit_identical_to_no_failure(ctx, fa
     def between(i: int) -> None:  # updates while the rebuild is under way, lock group by lock group
         u = next(more, None)
         if u is not None:
-            w.update(*u)
-            tw.update(*u)
+            both.update(u)
             assert_matches_twin(net, twin)
 
     assert net.recover(victim, lock_group_rows=200, between=between) == 1 + 5 + 2
