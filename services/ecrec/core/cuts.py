@@ -179,6 +179,8 @@ class Cuts:
         record's) where kept deltas take them there: each row's next version at a time, so in version order.
         `failed(src)`: the incarnation of shard src whose failure is being decoded (None: src is not failed,
         its deltas are not refused). Returns how many rows were applied."""
+        if index.numel() == 0:
+            return 0
         k = parity.placement.k
         # the target of each (record, member) asked, sorted by key: sized to the rows asked, not the table
         keys, at = torch.unique((index.view(-1, 1) * k + torch.arange(k)).view(-1), return_inverse=True)
@@ -186,8 +188,8 @@ class Cuts:
         wants.scatter_reduce_(0, at, target.reshape(-1), reduce="amax")
 
         def want(key: torch.Tensor) -> torch.Tensor:  # 0 (no target) for a key not asked
-            pos = torch.searchsorted(keys, key).clamp_(max=max(keys.numel() - 1, 0))
-            return torch.where(keys[pos] == key, wants[pos], 0) if keys.numel() else torch.zeros_like(key)
+            pos = torch.searchsorted(keys, key).clamp_(max=keys.numel() - 1)
+            return torch.where(keys[pos] == key, wants[pos], 0)
 
         flat = parity.pver.view(-1)
         applied, progress = 0, True
