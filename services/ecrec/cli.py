@@ -316,7 +316,9 @@ def cmd_bench_scaling(args) -> int:
 def cmd_bench_handlers(args) -> int:
     from ecrec.handlerbench import bench_handlers
 
-    bench_handlers(args.job, args.steps, args.set or [], Path(args.out))
+    if args.workers < 1:
+        raise SystemExit("ecrec bench handlers: --workers is at least 1")
+    bench_handlers(args.job, args.steps, args.set or [], Path(args.out), args.workers)
     return 0
 
 
@@ -620,7 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU per worker step in the servers' handlers and the client, in-process, No FT vs ECRec",
     )
     p.add_argument("--job", default="examples/local-small.yaml")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="steps of each worker")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="clients taking turns in a shuffled order each step (several hold deltas at parity servers)",
+    )
     p.add_argument("--set", action="append", metavar="PATH=VALUE")
     p.add_argument("--out", default="out/bench-handlers")
     p.set_defaults(fn=cmd_bench_handlers)
