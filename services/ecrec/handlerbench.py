@@ -21,6 +21,7 @@ import resource
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -72,6 +73,10 @@ class _Stub:
         self, servicer: ParameterServicer, cpu: Counter, calls: Counter, one_at_a_time: threading.Lock
     ):
         self._servicer, self._cpu, self._calls, self._lock = servicer, cpu, calls, one_at_a_time
+
+    def run_concurrently(self) -> None:
+        """From now on the handlers run as they are called, at once (closing clients together needs that)."""
+        self._lock = contextlib.nullcontext()
 
     def __getattr__(self, method: str):
         handler, context = getattr(self._servicer, method), _Context()
@@ -166,11 +171,11 @@ def _step(ctx: JobContext, client: PSClient, batch, txn: str, gen: torch.Generat
         client.push_dense(dense, txn).wait()
 
 
-def _close(clients: list[PSClient], stubs) -> None:
+def _close(clients: list[PSClient], stubs: Iterable[_Stub]) -> None:
     """Close the clients together, their handlers no longer one at a time: a client's last deltas go out as it
     closes, and may wait at a parity server for a predecessor that another closing client brings."""
     for stub in stubs:
-        stub._lock = contextlib.nullcontext()
+        stub.run_concurrently()
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         for done in [pool.submit(c.close) for c in clients]:
             done.result()
