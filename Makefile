@@ -28,7 +28,7 @@ help:
 	@echo "make k8s-demo - control plane up, chart installed, examples/k8s-small.yaml applied, a server pod deleted"
 	@echo "              mid-training; watch it recover and succeed (the cluster stays up: make k8s-down)"
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py services/ecrec/core/_heldrows.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch is pinned in pyproject.toml (torch==2.13.0): the CPU wheel comes from local disk where present.

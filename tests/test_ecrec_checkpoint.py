@@ -139,7 +139,7 @@ def assert_fresh(store: ShardStore) -> None:
     rows, parity, dense = store.rows, store.parity, store.dense
     assert not rows.staged and not rows.locks.holders() and bool((rows.locks.owner == -1).all())
     assert not parity.staged and not parity.staged_at and not parity.resolved
-    assert not parity.pending and not parity.held and not bool(parity._held_keys.any())
+    assert not parity.pending and not parity.held and not bool(parity.held_marks().any())
     assert len(store.deltalog) == 0 and not store.held_from and not store.refused and not store.accepted
     assert not store.acting.staged and not store.acting.locks and not store.acting.cache
     assert not store.replacement and store.recovery_done() and parity._all_ready

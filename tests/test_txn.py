@@ -3,12 +3,16 @@ staging and deciding a part on its data server, staged deltas and rebuilt record
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ecrec.core import heldrows
 from ecrec.core.codes import make_code
+from ecrec.core.lineage import drop_orphans, proves_commit
 from ecrec.core.optim import make_optimizer
 from ecrec.core.placement import Placement
 from ecrec.core.recovery import Step, plan_recovery
@@ -312,20 +316,20 @@ def test_held_rows_apply_as_soon_as_their_predecessor_does_and_the_marks_of_held
     ahead = [batch(f"a{i}", 2, index=[i], slot=[3], version=[2], seed=20 + i) for i in range(3)]
     for b in ahead:
         assert pp.apply(b) is False  # each waits for its row's version 1
-    assert len(pp.held) == 3 and int(pp._held_keys.sum()) == 3
+    assert len(pp.held) == 3 and int(pp.held_marks().sum()) == 3
     other = batch("o", 3, index=[0], slot=[0], version=[1], seed=30)  # another member of a held row's record
     assert pp.apply(other) is True
-    assert len(pp.held) == 3 and int(pp._held_keys.sum()) == 3  # not a held row: nothing of them applies
+    assert len(pp.held) == 3 and int(pp.held_marks().sum()) == 3  # not a held row: nothing of them applies
     first = batch("p1", 2, index=[1], slot=[3], version=[1], seed=31)
     assert pp.apply(first) is True
-    assert [h.txn for h in pp.held] == ["a0", "a2"] and int(pp._held_keys.sum()) == 2
+    assert [h.txn for h in pp.held] == ["a0", "a2"] and int(pp.held_marks().sum()) == 2
     want = before
     for b in (other, first, ahead[1]):
         want = xor_rows(want, b.index, b.delta)
     assert torch.equal(bits(pp.parity), bits(want)) and pp.pver[1].tolist() == [0, 0, 0, 2]
     # Dropped with their server (it failed): nothing is marked held any more.
     assert [h.txn for h in pp.drop_held(2)] == ["a0", "a2"]
-    assert pp.held == [] and not bool(pp._held_keys.any())
+    assert pp.held == [] and not bool(pp.held_marks().any())
 
 
 def test_a_data_participant_applies_a_part_at_once_as_stage_and_commit_would():
@@ -345,15 +349,15 @@ def test_a_data_participant_applies_a_part_at_once_as_stage_and_commit_would():
 def test_a_later_delta_of_the_same_row_from_the_same_server_proves_the_earlier_one_committed():
     pp = parity_participant()
     pp.stage(batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1], seed=13))
-    assert not pp.proves_commit("t1", 2)  # nothing later
+    assert not proves_commit(pp, "t1", 2)  # nothing later
     pp.stage(batch("d1", 2, index=[0], slot=[3], version=[2], seed=14))  # a degraded write, not 2's own
     pp.stage(batch("u1", 1, index=[0], slot=[1], version=[2], seed=15))  # another member of the record
-    assert not pp.proves_commit("t1", 2, exclude={"d1"})
-    assert pp.proves_commit("t1", 2)  # were d1 server 2's own, its stage would prove t1's commit
+    assert not proves_commit(pp, "t1", 2, exclude={"d1"})
+    assert proves_commit(pp, "t1", 2)  # were d1 server 2's own, its stage would prove t1's commit
     pp.abort("d1", 2)
     pp.stage(batch("t2", 2, index=[1], slot=[3], version=[2], seed=16))
     assert pp.commit("t2", 2) == "committed" and [h.txn for h in pp.held] == ["t2"]
-    assert pp.proves_commit("t1", 2)  # held: committed on top of t1
+    assert proves_commit(pp, "t1", 2)  # held: committed on top of t1
 
 
 def test_held_rows_that_no_staged_delta_can_complete_are_dropped_as_orphans():
@@ -362,7 +366,7 @@ def test_held_rows_that_no_staged_delta_can_complete_are_dropped_as_orphans():
     pp.stage(batch("t2", 2, index=[0, 1], slot=[3, 3], version=[2, 2], seed=13))
     pp.stage(batch("t1", 2, index=[1], slot=[3], version=[1], seed=14))  # row 1's predecessor only
     assert pp.commit("t2", 2) == "committed" and len(pp.held) == 1
-    assert pp.drop_orphans() == 1  # record 0's version-2 delta: nothing staged brings it to version 1
+    assert drop_orphans(pp) == 1  # record 0's version-2 delta: nothing staged brings it to version 1
     assert [h.index.tolist() for h in pp.held] == [[1]]
     assert pp.commit("t1", 2) == "committed" and pp.held == []
     assert pp.pver[0].tolist() == [0, 0, 0, 0] and pp.pver[1].tolist() == [0, 0, 0, 2]
@@ -472,16 +476,25 @@ def test_a_parts_delta_batches_are_its_rows_grouped_by_parity_server(case):
         assert b.src == shard and b.txn == "t"
 
 
+FAST_PATHS = [
+    "numpy",
+    pytest.param(
+        "c", marks=pytest.mark.skipif(not heldrows.AVAILABLE, reason="ecrec.core._heldrows not built")
+    ),
+]
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1))
-def test_the_numpy_fast_path_and_the_torch_path_apply_deliveries_to_the_same_state(seed):
-    """Random deliveries of several members' updates, out of order, duplicated and re-delivered: the CPU xor
-    fast path (numpy on the same memory) and the general torch path leave bit-identical records, versions,
-    held rows and answers after every delivery."""
+def test_the_fast_paths_and_the_torch_path_apply_deliveries_to_the_same_state(path, seed):
+    """Random deliveries of several members' updates, out of order, duplicated and re-delivered: each CPU xor
+    fast path (numpy on the same memory; C with flat held rows) and the general torch path leave bit-identical
+    records, versions, held rows and answers after every delivery."""
     gen = torch.Generator().manual_seed(seed)
     fast, slow = parity_participant(seed=seed % 7), parity_participant(seed=seed % 7)
-    slow._cpu_xor = False
-    assert fast._cpu_xor
+    fast.choose_path(path)
+    slow.choose_path("torch")
     n = fast.parity.shape[0]
     # Updates of random rows by the members of server 0's records, each row's versions counting up; delivered
     # mostly in order, with neighbours swapped (held rows) and some delivered again (skipped rows).
@@ -506,15 +519,17 @@ def test_the_numpy_fast_path_and_the_torch_path_apply_deliveries_to_the_same_sta
         assert torch.equal(bits(fast.parity), bits(slow.parity))
         assert torch.equal(fast.pver, slow.pver)
         assert held_rows(fast) == held_rows(slow)
-        marks = fast._held_keys.view(-1)  # True wherever a row is held (it may stay True where none is)
+        marks = fast.held_marks()  # True wherever a row is held (it may stay True where none is)
         assert all(bool(marks[k]) for _t, _s, k, _v in held_rows(fast))
     assert fast.held or not slow.held
 
 
-def test_a_chain_of_held_updates_applies_whole_when_its_first_arrives():
-    """Versions 3 and 2 of a row held, then 1 arrives: 2 applies, and then 3 — in both paths, nothing left."""
+@pytest.mark.parametrize("path", FAST_PATHS)
+def test_a_chain_of_held_updates_applies_whole_when_its_first_arrives(path):
+    """Versions 3 and 2 of a row held, then 1 arrives: 2 applies, and then 3 — in every path, nothing left."""
     fast, slow = parity_participant(), parity_participant()
-    slow._cpu_xor = False
+    fast.choose_path(path)
+    slow.choose_path("torch")
     chain = [batch(f"t{v}", 2, index=[0, 1], slot=[3, 3], version=[v, v], seed=40 + v) for v in (3, 2, 1)]
     for b in chain:
         assert fast.apply(b) == slow.apply(b) == (b.txn == "t1")
@@ -531,12 +546,22 @@ def held_rows(pp: ParityParticipant) -> set[tuple[str, int, int, int]]:
     }
 
 
-def test_the_numpy_path_is_the_one_cpu_xor_records_take(monkeypatch):
+def test_cpu_xor_records_take_the_c_path_where_it_is_built_and_the_numpy_path_where_not(monkeypatch):
     from ecrec.core import ordered_xor
 
+    assert parity_participant().path == ("c" if heldrows.AVAILABLE else "numpy")
     calls = []
     real = ordered_xor.apply_in_order
     monkeypatch.setattr(ordered_xor, "apply_in_order", lambda pp, b: calls.append(b.txn) or real(pp, b))
+    monkeypatch.setattr(heldrows, "AVAILABLE", False)
     pp = parity_participant()
+    assert pp.path == "numpy"
     assert pp.apply(batch("t1", 2, index=[0, 1], slot=[3, 3], version=[1, 1])) is True
     assert calls == ["t1"]
+
+
+def test_the_c_path_is_built_wherever_a_c_compiler_is():
+    """`make` installs the package with its extension; only a machine without a compiler falls back."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the numpy path runs")
+    assert heldrows.AVAILABLE

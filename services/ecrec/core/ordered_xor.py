@@ -116,4 +116,4 @@ def _release_held(pp: ParityParticipant, applied: np.ndarray) -> None:
                 pp.held.append(_subset(h, ahead))
         applied = np.concatenate(now_applied) if now_applied else applied[:0]
     if changed:  # marks of rows no longer held are cleared where it is cheap: after a release
-        pp._mark_held()
+        pp.mark_held()

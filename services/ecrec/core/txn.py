@@ -15,13 +15,13 @@ Everything here is plain torch on tensors handed in by the caller; the caller ho
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ecrec.core import ordered_xor
+from ecrec.core import heldrows, ordered_xor
 from ecrec.core.codes import Code
 from ecrec.core.optim import RowOptimizer
 from ecrec.core.placement import Placement
@@ -254,7 +254,6 @@ class ParityParticipant:
     staged_at: dict[tuple[str, int], float] = field(default_factory=dict)
     resolved: OrderedDict = field(default_factory=OrderedDict)
     pending: list[DeltaBatch] = field(default_factory=list)  # committed before their record was rebuilt
-    held: list[DeltaBatch] = field(default_factory=list)  # committed ahead of a member's previous update
     max_resolved: int = 65536
 
     def __post_init__(self) -> None:
@@ -270,13 +269,55 @@ class ParityParticipant:
         # Counts changes that may have taken rows out of `held` (applied or dropped): what a delivery waiting for
         # its held rows needs to look again (a wake-up on every delivery cost a live server ~9% of its time).
         self.releases = 0
-        self._cpu_xor = (
+        cpu_xor = (
             self.code.name in ("xor", "pq")  # P and Q both take their deltas by xor
             and self.parity.device.type == "cpu"
             and self.parity.dtype == torch.float32
             and self.parity.is_contiguous()
             and self.pver.is_contiguous()
         )
+        # Committed deltas held ahead of a member's previous update: in C's flat arrays (`_rows`) or, on the
+        # other paths, as batches (`_held_list`); `held` shows either as batches.
+        self._held_list: list[DeltaBatch] = []
+        self._rows: heldrows.HeldRows | None = None
+        self.choose_path(("c" if heldrows.AVAILABLE else "numpy") if cpu_xor else "torch")
+
+    def choose_path(self, path: str) -> None:
+        """Which implementation applies deltas in version order: "c" (ecrec.core.heldrows, xor on float32
+        CPU records, where the extension is built), "numpy" (ecrec.core.ordered_xor, the same records) or
+        "torch" (any code and device: the reference the others are tested against). Before anything is held."""
+        if self.holding():
+            raise RuntimeError("choose_path: rows are held")
+        if path not in ("c", "numpy", "torch"):
+            raise ValueError(f"choose_path: {path!r}")
+        self.path = path
+        self._rows = (
+            heldrows.HeldRows(self.parity, self.pver, self.placement.k, DeltaBatch) if path == "c" else None
+        )
+
+    @property
+    def held(self) -> list[DeltaBatch]:
+        """The committed rows held for a predecessor, as batches (the C path groups them back by part)."""
+        return self._rows.batches() if self._rows is not None else self._held_list
+
+    @held.setter
+    def held(self, batches: list[DeltaBatch]) -> None:
+        if self._rows is not None:
+            self._rows.load(batches)
+        else:
+            self._held_list = batches
+
+    def holding(self) -> bool:
+        """Is any row held for a predecessor?"""
+        rows = getattr(self, "_rows", None)
+        return bool(len(rows) if rows is not None else getattr(self, "_held_list", None))
+
+    def held_marks(self) -> torch.Tensor:
+        """[P * k] bool: True for every (record, member) key with a row held (the torch and numpy paths may
+        leave a key marked where nothing is held any more)."""
+        if self._rows is not None:
+            return torch.from_numpy(self._rows.marks > 0)
+        return self._held_keys.clone()
 
     def stage(self, batch: DeltaBatch, now: float = 0.0) -> None:
         """Stage a part's deltas. A part sends this server one batch per parity record j (P's rows, and with
@@ -330,9 +371,11 @@ class ParityParticipant:
     def held_parts(self) -> set[tuple[str, int]]:
         """(txn, src) of the batches with rows held for a predecessor. A delivered batch is reflected once it is
         not among them: each of its rows was applied, kept for a rebuild (which replays it), or held — and
-        a held row leaves `held` only when it is applied or dropped (`drop_held`, which names it). Pure Python
-        over the few held batches: a waiting delivery asks this on every wake-up."""
-        return {(h.txn, h.src) for h in self.held}
+        a held row leaves `held` only when it is applied or dropped (`drop_held`, which names it). Cheap: a
+        waiting delivery asks this on every wake-up."""
+        if self._rows is not None:
+            return self._rows.parts()
+        return {(h.txn, h.src) for h in self._held_list}
 
     def unreflected(self, b: DeltaBatch) -> torch.Tensor:
         """Rows of a delivered batch the record does not reflect yet (held for a predecessor): a mask. Rows
@@ -357,65 +400,11 @@ class ParityParticipant:
     def drop_held(self, src: int) -> list[DeltaBatch]:
         """Forget the held rows of data server `src` (it failed or was replaced: the predecessors they wait for
         will be refused, so they can never apply). Returns what was dropped."""
-        dropped = [h for h in self.held if h.src == src]
+        held = self.held
+        dropped = [h for h in held if h.src == src]
         if dropped:
-            self.held = [h for h in self.held if h.src != src]
-            self._mark_held()
-        return dropped
-
-    def proves_commit(self, txn: str, src: int, exclude: Collection[str] = ()) -> bool:
-        """Do deltas here prove that data server `src` committed the undecided part (txn, src)? They do if
-        one of its rows has a delta from `src` at a higher version, staged or held: a data server stages a
-        row only after its previous part on the row is decided, and only a commit advances the version.
-        Used when `src` can no longer answer (it died): dropping a committed delta under a later one would
-        let the later one apply onto a record that lacks its predecessor — a garbage decode under xor.
-        `exclude`: txns whose deltas are not `src`'s own lineage (this server's degraded writes for `src`)."""
-        mine = self.staged.get((txn, src))
-        if not mine:
-            return False
-        later = [
-            b for (t, s), bs in self.staged.items() if s == src and t != txn and t not in exclude for b in bs
-        ]
-        later += [b for b in self.held if b.src == src and b.txn not in exclude]
-        if not later:
-            return False
-        keys = torch.cat([self.key_of(b) for b in mine])
-        vers = torch.cat([b.version for b in mine])
-        order = torch.argsort(keys)
-        keys, vers = keys[order], vers[order]
-        okeys = torch.cat([self.key_of(b) for b in later])
-        overs = torch.cat([b.version for b in later])
-        pos = torch.searchsorted(keys, okeys).clamp(max=keys.numel() - 1)
-        same = keys[pos] == okeys
-        return bool((same & (overs > vers[pos])).any())
-
-    def drop_orphans(self) -> int:
-        """Drop held rows that nothing can complete: no staged delta of their server fills the gap between
-        the record's version and theirs. Under two-phase commit a predecessor is staged here before its data
-        server commits it, so a gap no staged delta fills was resolved as aborted — decided without its data
-        server, which had died (`proves_commit` keeps that from happening where a later delta proves the
-        commit; this is for a later delta that arrived after the drop, staged because a replacement had registered
-        by then). The record then stays at the last version it holds, a consistent cut. Returns the rows
-        dropped."""
-        if not self.held:
-            return 0
-        staged = [b for bs in self.staged.values() for b in bs]
-        kept, dropped = [], 0
-        for h in self.held:
-            cur = self.pver[h.index, h.slot]
-            fill = torch.zeros(h.index.numel(), dtype=torch.bool)
-            for b in staged:
-                if b.src != h.src:
-                    continue
-                hit = (self.key_of(h)[:, None] == self.key_of(b)[None, :]) & (
-                    (b.version[None, :] > cur[:, None]) & (b.version[None, :] < h.version[:, None])
-                )
-                fill |= hit.any(dim=1)
-            dropped += int((~fill).sum())
-            if bool(fill.any()):
-                kept.append(select_rows(h, fill))
-        self.held = kept
-        self._mark_held()
+            self.held = [h for h in held if h.src != src]
+            self.mark_held()
         return dropped
 
     def commit(self, txn: str, src: int) -> str:
@@ -441,7 +430,7 @@ class ParityParticipant:
         waiting — goes one by one through `commit`."""
         todo = list(dict.fromkeys(k for k in keys if k not in self.resolved and k in self.staged))
         batches = [b for k in todo for b in self.staged[k]]
-        if len(batches) > 1 and self._all_ready and not self.held:
+        if len(batches) > 1 and self._all_ready and not self.holding():
             key = torch.cat([self.key_of(b) for b in batches])
             version = torch.cat([b.version for b in batches])
             flat = self.pver.view(-1)
@@ -490,7 +479,11 @@ class ParityParticipant:
         is applied; one further ahead is held until its predecessor is applied. Decisions for one row can
         arrive out of order — the worker delivers them after the data server committed, and a later update
         of the row may be decided first — while a decode needs pver to mean exactly what the record holds."""
-        if self._cpu_xor:
+        if self._rows is not None:
+            done, released = self._rows.apply(b)
+            self.releases += released
+            return done
+        if self.path == "numpy":
             return ordered_xor.apply_in_order(self, b)
         flat = self.pver.view(-1)
         key = self.key_of(b)
@@ -518,10 +511,13 @@ class ParityParticipant:
                 self._apply_in_order(h)
         return done
 
-    def _mark_held(self) -> None:
-        """Mark exactly the keys of the rows held now (after a drop or a release)."""
+    def mark_held(self) -> None:
+        """Mark exactly the keys of the rows held now (after `held` was cut: a drop or a release), and count it
+        as a release (deliveries waiting for held rows look again)."""
         self.releases += 1
-        if self._cpu_xor:  # numpy on the same memory: a boolean scatter per batch is torch's slow path
+        if self._rows is not None:  # its marks are exact: counted by the C side, recounted by `held = ...`
+            return
+        if self.path == "numpy":  # numpy on the same memory: a boolean scatter per batch is torch's slow path
             marks = self._held_keys.numpy()
             marks[:] = False
             for h in self.held:

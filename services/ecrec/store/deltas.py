@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ecrec.core.lineage import proves_commit
 from ecrec.core.txn import DeltaBatch
 from ecrec.faults import fault_point
 from ecrec.store.peers import PeerFailed
@@ -142,7 +143,7 @@ class ParityDeltas(StoreState):
                 answer = "unknown"
         if answer == "unknown":
             with self.lock:  # a later delta of one of its rows from src proves src committed it
-                if self.parity.proves_commit(txn, src, exclude=self.acting.staged):
+                if proves_commit(self.parity, txn, src, exclude=self.acting.staged):
                     answer = "committed"
         if answer == "committed":
             self.decide_deltas(txn, src, True)

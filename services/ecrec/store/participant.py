@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ecrec.core.lineage import drop_orphans
 from ecrec.core.txn import DeltaBatch, RowLocks
 from ecrec.core.update import step_of, txn_age
 from ecrec.faults import fault_point
@@ -321,6 +322,6 @@ class Participant(StoreState):
             return stale
         if self.ctx.spec.fault_tolerance.ecrec.two_phase_commit:  # without 2PC deltas are never staged here
             with self.lock:
-                if self.parity.drop_orphans():
+                if drop_orphans(self.parity):
                     self._parity_changed()
         return stale
