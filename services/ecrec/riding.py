@@ -129,10 +129,24 @@ class Rides:
             out.append(settled)
         return out
 
+    def _clean(self, d) -> bool:
+        """Did the delta's parity server apply it whole (its message arrived, nothing held, no row refused)?"""
+        if d.parity_server in self._lost:
+            return False
+        refused, still = self._answers[d.parity_server]
+        bad = refused.get(d.txn)
+        return d.txn not in still and (bad is None or not bad.numel())
+
     def _settle_part(
         self, c: Carried, part: Part, deltas: list, placement, settled: Settled, held: list
     ) -> None:
         update, n = c.update, part.pos.numel()
+        if all(self._clean(d) for d in deltas):  # the usual answer: every delta applied, no row refused
+            update.rows_applied(part, update.rows_waiting[part.pos])
+            update.rows_unanswered(part, torch.ones(n, dtype=torch.bool), waiting=False)
+            if bool(update.rows_done[part.pos].all()):
+                settled.done.append(part)
+            return
         targets = ParityTargets(placement, part.target, placement.local_row(c.g[part.pos]))
         refused_rows = torch.zeros(n, dtype=torch.bool)
         waiting = torch.zeros(n, dtype=torch.bool)
