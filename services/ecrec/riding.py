@@ -45,6 +45,9 @@ class Carried:
     held: list[tuple[Part, Any]] = field(default_factory=list)  # (part, delta) held at delta.parity_server
     lost: list[tuple[Part, list]] = field(default_factory=list)  # (part, deltas) whose message failed
     rides: int = 0  # applies it has ridden on
+    # id(part) -> where its rows' parity records are, built the first time an answer needs it: a held part
+    # is settled again on every ride until its rows apply
+    targets: dict[int, ParityTargets] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for part, _deltas in self.fresh:  # not planned again while their deltas are on their way
@@ -147,7 +150,11 @@ class Rides:
             if bool(update.rows_done[part.pos].all()):
                 settled.done.append(part)
             return
-        targets = ParityTargets(placement, part.target, placement.local_row(c.g[part.pos]))
+        targets = c.targets.get(id(part))
+        if targets is None:
+            targets = c.targets[id(part)] = ParityTargets(
+                placement, part.target, placement.local_row(c.g[part.pos])
+            )
         refused_rows = torch.zeros(n, dtype=torch.bool)
         waiting = torch.zeros(n, dtype=torch.bool)
         for d in deltas:
