@@ -1,5 +1,6 @@
-"""A parity server's version-ordered apply of xor deltas, in numpy on the CPU (`ParityParticipant`'s fast
-path; the torch path in core/txn.py is the reference, and tests/test_txn.py checks the two agree).
+"""A parity server's version-ordered apply of xor deltas, in numpy on the CPU: `ParityParticipant`'s path where
+the C one (core/heldrows.py) is not built. The torch path in core/txn.py is the reference, and tests/test_txn.py
+checks all of them agree.
 
 Why a second implementation: under the delta log a parity server applies every delivered batch here, and
 with several workers on hot rows a large share of batches arrive ahead of a predecessor and are held. The
