@@ -297,7 +297,8 @@ class ParityParticipant:
 
     @property
     def held(self) -> list[DeltaBatch]:
-        """The committed rows held for a predecessor, as batches (the C path groups them back by part)."""
+        """The committed rows held for a predecessor, as batches: on the C path new ones grouped back by part
+        (for the failure paths that ask by part), on the others the list itself, which they append to."""
         return self._rows.batches() if self._rows is not None else self._held_list
 
     @held.setter
@@ -309,8 +310,7 @@ class ParityParticipant:
 
     def holding(self) -> bool:
         """Is any row held for a predecessor?"""
-        rows = getattr(self, "_rows", None)
-        return bool(len(rows) if rows is not None else getattr(self, "_held_list", None))
+        return len(self._rows) > 0 if self._rows is not None else bool(self._held_list)
 
     def held_marks(self) -> torch.Tensor:
         """[P * k] bool: True for every (record, member) key with a row held (the torch and numpy paths may
