@@ -4,8 +4,8 @@
  *
  * Why C: with several workers on hot rows half the delivered batches have rows ahead of a predecessor. In
  * numpy every batch, every held batch cut and every retry costs a dozen calls of ~1-5 us each at a batch's
- * ~30-100 rows, and that per-call cost — not the rows — was what grew a stage by a third from one worker
- * to four (docs/benchmarks.md). Here one call takes a batch: rows next in their version order are xored
+ * ~30-100 rows, and that per-call cost — not the rows — was what grew a stage by 40% from one worker to
+ * four (docs/benchmarks.md, "The held path in C"). Here one call takes a batch: rows next in their version order are xored
  * in, rows further ahead are copied into the held arrays, and each applied row releases the held rows of
  * its own (record, member) key that are now next, repeatedly.
  *

@@ -1,11 +1,12 @@
 """A parity server's version-ordered apply of xor deltas with the held rows in flat arrays, the loop in C
 (ecrec/core/_heldrows.c): `ParityParticipant`'s path wherever the extension is built and the records are
 float32 on the CPU. Without the extension the numpy path (ecrec.core.ordered_xor) runs instead, and the torch
-path (ecrec.core.txn) stays the reference: tests/test_heldrows.py checks all three agree.
+path (ecrec.core.txn) stays the reference: tests/test_txn.py checks all three agree, tests/test_heldrows.py what
+only this path has.
 
 Why: with several workers on hot rows half the delivered batches have rows ahead of a predecessor, and in
 numpy the cost of holding, cutting and retrying them — a dozen calls of a few µs per batch, whatever its
-rows — grew a stage by a third from one worker to four (docs/benchmarks.md). Here a batch is one call: rows
+rows — grew a stage by 40% from one worker to four (docs/benchmarks.md, "The held path in C"). Here a batch is one call: rows
 next in their version order are xored in, rows further ahead are copied into the held arrays, and each
 applied row releases the held rows of its own (record, member) key that are next now, until none is.
 
