@@ -309,7 +309,7 @@ def restored(report: dict) -> list[dict]:
 
 @slow
 def test_coordinator_killed_during_training_is_replaced_and_nothing_changes(tmp_path, baseline):
-    report = run_local(det_ctx("kill-coord"), tmp_path, progress=False, kills=[("coordinator", 1.0)])
+    report = run_local(det_ctx("kill-coord"), tmp_path, progress=False, kills=[("coordinator", "step:60")])
     assert len(restored(report)) == 1, report["events"]
     assert_consistent(report)
     assert report["params_sha256"] == baseline
@@ -343,7 +343,7 @@ def test_coordinator_killed_before_training_started(tmp_path, baseline):
 )
 def test_coordinator_killed_at_each_step_of_a_recovery_and_the_recovery_resumes(tmp_path, baseline, point):
     ctx = det_ctx("kill-coord-rec", faultTolerance__ecrec__lockGroupRows=64)
-    report = run_local(ctx, tmp_path, progress=False, kills=[(2, 1.0)], fault=point)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(2, "step:60")], fault=point)
     assert report["fault"]["fired"], "the fault point was never reached"
     assert len(restored(report)) == 1
     (rec,) = report["recoveries"]
@@ -372,7 +372,7 @@ def test_coordinator_killed_with_a_seed_older_than_the_replacement_rebuilds_the_
         ctx,
         tmp_path,
         progress=False,
-        kills=[(2, 1.0)],
+        kills=[(2, "step:60")],
         fault="coordinator:coordinator:recovered_dense",
         hold_seed=lambda seed: seed["shards"][2]["state"] == "failed",
     )
@@ -391,7 +391,9 @@ def test_coordinator_killed_with_a_seed_older_than_the_replacement_rebuilds_the_
 def test_coordinator_and_a_server_killed_at_once(tmp_path, baseline):
     # The server's failure happens while nobody can declare it: workers keep retrying, the successor probes
     # and declares it, and the usual rebuild follows.
-    report = run_local(det_ctx("kill-both"), tmp_path, progress=False, kills=[("coordinator", 1.0), (3, 1.0)])
+    report = run_local(
+        det_ctx("kill-both"), tmp_path, progress=False, kills=[("coordinator", "step:60"), (3, "step:60")]
+    )
     assert len(restored(report)) == 1
     assert [r["shard"] for r in report["recoveries"]] == [3]
     assert_consistent(report)

@@ -20,7 +20,7 @@ DET = dict(
     faultTolerance__strategy="ecrec",
     faultTolerance__ecrec__k=4,
     training__deterministic="true",
-    training__steps=200,  # long enough (several seconds) for the kills below to land mid-training
+    training__steps=200,  # kills below are at steps: they land mid-training however fast the machine trains
     training__batchSize=64,
 )
 # r = 2 (P and Q) on six servers: the same logical model as DET (it depends neither on N nor on r)
@@ -47,12 +47,12 @@ def baseline(tmp_path_factory) -> str:
     return report["params_sha256"]
 
 
-@pytest.mark.parametrize("shard, at", [(1, 1.0), (3, 2.0)])
+@pytest.mark.parametrize("shard, at", [(1, "step:50"), (3, "step:110")])
 def test_killed_and_rebuilt_server_leaves_parameters_bit_identical(tmp_path, baseline, shard, at):
     report = run_local(det_ctx(f"kill{shard}"), tmp_path, progress=False, kills=[(shard, at)])
     assert_consistent(report)
     assert len(report["recoveries"]) == 1, (
-        f"the kill at {at}s did not land during training: {report['events']}"
+        f"the kill at {at} did not land during training: {report['events']}"
     )
     (rec,) = report["recoveries"]
     assert rec["shard"] == shard and rec["rows_recovered"] > 0
@@ -88,7 +88,7 @@ def test_kill_during_second_half_of_recovery(tmp_path, baseline):
     # Small lock groups make the rebuild many steps; the replacement dies after its 10th group of 14.
     ctx = det_ctx("kill-recovery", faultTolerance__ecrec__lockGroupRows=64)
     report = run_local(
-        ctx, tmp_path, progress=False, kills=[(2, 1.0)], fault="server-2:recover:after_group@10"
+        ctx, tmp_path, progress=False, kills=[(2, "step:60")], fault="server-2:recover:after_group@10"
     )
     assert report["fault"]["fired"]
     assert_consistent(report)
@@ -140,7 +140,9 @@ def test_a_server_hung_with_a_commit_unanswered_is_declared_failed_and_nothing_i
 
 def test_replacement_killed_mid_lock_group(tmp_path, baseline):
     ctx = det_ctx("mid-group", faultTolerance__ecrec__lockGroupRows=128)
-    report = run_local(ctx, tmp_path, progress=False, kills=[(4, 1.0)], fault="server-4:recover:mid_group@3")
+    report = run_local(
+        ctx, tmp_path, progress=False, kills=[(4, "step:60")], fault="server-4:recover:mid_group@3"
+    )
     assert report["fault"]["fired"]
     assert_consistent(report)
     assert report["params_sha256"] == baseline

@@ -334,7 +334,7 @@ def test_sum_code_job_survives_a_kill_with_every_optimizer(optimizer: str, tmp_p
         training__deterministic="true",
         training__steps=120,
     )
-    report = run_local(ctx, tmp_path, progress=False, kills=[(1, 1.0)], rebuild_error=True)
+    report = run_local(ctx, tmp_path, progress=False, kills=[(1, "step:40")], rebuild_error=True)
     assert len(report["recoveries"]) == 1 and report["recoveries"][0]["rows_recovered"] > 0
     assert report["parity_check"]["mismatches"] == 0 and report["staged_after"] == 0
     err = report["rebuild_error"]
