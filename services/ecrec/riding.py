@@ -132,19 +132,25 @@ class Rides:
             out.append(settled)
         return out
 
-    def _clean(self, d) -> bool:
-        """Did the delta's parity server apply it whole (its message arrived, nothing held, no row refused)?"""
+    def _outcome(self, d) -> tuple[str, torch.Tensor | None]:
+        """What the delta's parity server did with it: "lost" (the server failed), "held" (rows wait for a
+        predecessor), "refused" (with the refused rows) or "applied" (whole)."""
         if d.parity_server in self._lost:
-            return False
+            return "lost", None
         refused, still = self._answers[d.parity_server]
+        if d.txn in still:
+            return "held", None
         bad = refused.get(d.txn)
-        return d.txn not in still and (bad is None or not bad.numel())
+        if bad is not None and bad.numel():
+            return "refused", bad
+        return "applied", None
 
     def _settle_part(
         self, c: Carried, part: Part, deltas: list, placement, settled: Settled, held: list
     ) -> None:
         update, n = c.update, part.pos.numel()
-        if all(self._clean(d) for d in deltas):  # the usual answer: every delta applied, no row refused
+        outcomes = [self._outcome(d) for d in deltas]
+        if all(o == "applied" for o, _bad in outcomes):  # the usual answer
             update.rows_applied(part, update.rows_waiting[part.pos])
             update.rows_unanswered(part, torch.ones(n, dtype=torch.bool), waiting=False)
             if bool(update.rows_done[part.pos].all()):
@@ -157,21 +163,15 @@ class Rides:
             )
         refused_rows = torch.zeros(n, dtype=torch.bool)
         waiting = torch.zeros(n, dtype=torch.bool)
-        for d in deltas:
-            s = d.parity_server
-            at = targets.at(s)
-            if s in self._lost:
-                waiting |= at
+        for d, (outcome, bad) in zip(deltas, outcomes, strict=True):
+            if outcome == "lost":
+                waiting |= targets.at(d.parity_server)
                 settled.trouble.append((part, [d]))
-                continue
-            refused, still = self._answers[s]
-            if d.txn in still:
-                waiting |= at
+            elif outcome == "held":
+                waiting |= targets.at(d.parity_server)
                 held.append((part, d))
-                continue
-            bad = refused.get(d.txn)
-            if bad is not None and bad.numel():
-                refused_rows |= targets.refused(s, bad)
+            elif outcome == "refused":
+                refused_rows |= targets.refused(d.parity_server, bad)
                 settled.refused = True
         # A row refused by any parity server is decided: written again (at its acting home, which finds out
         # whether another parity record holds it: Participant._stage_acting), whatever another parity server

@@ -36,7 +36,7 @@ class HeldRows:
     ):
         if _heldrows is None:
             raise RuntimeError("ecrec.core._heldrows is not built")
-        self.parity, self.pver, self.k, self._batch = parity, pver, k, batch_type
+        self.k, self._batch = k, batch_type
         self.width = parity.shape[1]
         # The records' memory as the C side takes it (the tensors are only ever changed in place).
         self._bits = parity.numpy().reshape(-1).view(np.int32)
@@ -68,12 +68,20 @@ class HeldRows:
     def __len__(self) -> int:
         return self.count
 
+    def _part_id(self, b, hold: bool) -> int:
+        """The id of the batch's part (txn, src, incarnation, parity server); `hold`: register it if new."""
+        ident = (b.txn, b.src, b.incarnation, b.parity_server)
+        pid = self._ids.get(ident, len(self._parts))
+        if hold and pid == len(self._parts):
+            self._ids[ident] = pid
+            self._parts.append(ident)
+        return pid
+
     def apply(self, b) -> tuple[bool, bool]:
         """Apply one batch of committed xor deltas. Returns (every row reflected — none held —, some held row
         left: applied, or dropped as already reflected)."""
         self._reserve(b.index.numel())
-        ident = (b.txn, b.src, b.incarnation, b.parity_server)
-        pid = self._ids.get(ident, len(self._parts))
+        pid = self._part_id(b, hold=False)
         count, _applied, ahead, released, dropped = _heldrows.apply(
             self._bits,
             self._pver,
@@ -93,9 +101,8 @@ class HeldRows:
             pid,
         )
         self.count = count
-        if ahead and pid == len(self._parts):
-            self._ids[ident] = pid
-            self._parts.append(ident)
+        if ahead:  # rows were held under the id: keep it
+            self._part_id(b, hold=True)
         if released or dropped:
             self._tidy()
         return ahead == 0, bool(released or dropped)
@@ -153,15 +160,11 @@ class HeldRows:
         at = 0
         for b in batches:
             m = b.index.numel()
-            ident = (b.txn, b.src, b.incarnation, b.parity_server)
-            pid = self._ids.setdefault(ident, len(self._parts))
-            if pid == len(self._parts):
-                self._parts.append(ident)
-            key = b.index.numpy() * self.k + b.slot.numpy()
+            key = b.member_keys(self.k)
             self.key[at : at + m] = key
             self.index[at : at + m] = b.index.numpy()
             self.version[at : at + m] = b.version.numpy()
-            self.part[at : at + m] = pid
+            self.part[at : at + m] = self._part_id(b, hold=True)
             self.delta[at : at + m] = b.delta.numpy().view(np.int32)
             np.add.at(self.marks, key, 1)
             at += m

@@ -45,13 +45,6 @@ def _subset(b: DeltaBatch, mask: np.ndarray) -> DeltaBatch:
     )
 
 
-def keys(pp: ParityParticipant, b: DeltaBatch) -> np.ndarray:
-    """The (record, member) keys of the batch's rows, computed once per batch."""
-    if b.keys is None:
-        b.keys = b.index.numpy() * pp.placement.k + b.slot.numpy()
-    return b.keys
-
-
 def _apply_rows(pp: ParityParticipant, b: DeltaBatch, key: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
     """xor the batch's `rows` (a mask; None: all) into their records and take them to their versions; returns
     the keys applied. Rows of one batch are unique, so one gather and one scatter suffice."""
@@ -68,7 +61,7 @@ def apply_in_order(pp: ParityParticipant, b: DeltaBatch) -> bool:
     """`ParityParticipant._apply_in_order` for the xor code on the CPU: apply the rows that are next, hold
     those further ahead, skip those already reflected; True if none is held."""
     flat = pp.pver.numpy().reshape(-1)
-    key = keys(pp, b)
+    key = b.member_keys(pp.placement.k)
     step = b.version.numpy() - flat[key]  # 1: next; > 1: ahead of a predecessor; < 1: reflected
     now = step == 1
     done = True
@@ -98,7 +91,7 @@ def _release_held(pp: ParityParticipant, applied: np.ndarray) -> None:
         touched[applied] = True
         retry, keep = [], []
         for h in pp.held:
-            hk = keys(pp, h)
+            hk = h.member_keys(pp.placement.k)
             (retry if touched[hk].any() else keep).append((h, hk))
         touched[applied] = False
         if not retry:

@@ -63,6 +63,13 @@ class DeltaBatch:
     # batch is looked at again on every release, its keys never change.
     keys: np.ndarray | None = field(default=None, compare=False, repr=False)
 
+    def member_keys(self, k: int) -> np.ndarray:
+        """The rows' (record, member) keys, index * k + slot (`ParityParticipant.key_of` in numpy), computed
+        once."""
+        if self.keys is None:
+            self.keys = self.index.numpy() * k + self.slot.numpy()
+        return self.keys
+
 
 class RowLocks:
     """Owner of each row of a row space (-1 = free). All-or-nothing acquisition, vectorized."""
@@ -521,7 +528,7 @@ class ParityParticipant:
             marks = self._held_keys.numpy()
             marks[:] = False
             for h in self.held:
-                marks[ordered_xor.keys(self, h)] = True
+                marks[h.member_keys(self.placement.k)] = True
             return
         self._held_keys.zero_()
         for h in self.held:

@@ -16,6 +16,7 @@ checkpoint loaded while a rebuild or copy decodes (`loads` changed) wins: the re
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -28,6 +29,7 @@ from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
 from ecrec.wire import InvalidRequest
 
 CONSISTENT_READ_TRIES = 200
+log = logging.getLogger("ecrec.server")
 
 
 class Recovery(StoreState):
@@ -75,12 +77,31 @@ class Recovery(StoreState):
             if src >= 0:
                 if self.logged:
                     self._settle_src(src)  # held deltas of a replaced incarnation never apply
-                self._wait(lambda: not self._undecided_from(src, index), f"deltas of shard {src}")
+                try:
+                    self._wait(lambda: not self._undecided_from(src, index), f"deltas of shard {src}")
+                except Busy:
+                    # The rebuild retries; the same wait every time is the sign of an update lost for good.
+                    log.warning("a rebuild's read waited in vain: %s", self._undecided_why(src, index))
+                    raise
             return ReadResult(
                 self.parity.parity[index].clone(),
                 self.parity.pver[index].clone(),
                 self.parity.ready[index].clone(),
             )
+
+    def _undecided_why(self, src: int, index: torch.Tensor) -> str:
+        """What `_undecided_from` waits for, in words (for the log). (Needs `lock`.)"""
+        staged = {
+            t for t, idx, _slot in self.parity.staged_members(src) if bool(torch.isin(idx, index).any())
+        }
+        held = [b for b in self.parity.held if b.src == src and bool(torch.isin(b.index, index).any())]
+        key = getattr(self.peers, "failure_key", None)
+        return (
+            f"shard {src} (incarnation {key(src) if key else '-'} in this server's map, failed: "
+            f"{self.peers.is_failed(src)}, held from {getattr(self, 'held_from', {}).get(src)}): staged txns "
+            f"{sorted(staged)[:4]}, held {[(b.txn, b.incarnation) for b in held[:4]]} "
+            f"({self.parity.why_held(held)}), degraded write running: {self.acting.writing(src)}"
+        )
 
     def _undecided_from(self, src: int, index: torch.Tensor) -> bool:
         """Any update of shard `src`'s rows in flight on these parity indices? (A staged delta of src, or a
