@@ -534,6 +534,21 @@ def test_degraded_write_waits_for_the_dead_servers_undecided_delta(ctx):
     assert_matches_twin(net, twin)
 
 
+def test_a_rebuilds_read_that_waits_in_vain_logs_the_undecided_update_it_waited_for(ctx, caplog):
+    # A parity read for rebuilding shard S waits for S's undecided deltas; when the wait runs out, the log
+    # names them (the same line over and over is an update lost for good: the rebuild would never finish).
+    net = Net(ctx, wait_timeout=0.2)
+    part, g, grads = part_at(ctx, S, 40)
+    staged = stage_part(net, S, part.txn, g, grads)
+    b = staged.batches[0]
+    with caplog.at_level("WARNING", logger="ecrec.server"), pytest.raises(Busy):
+        net[b.parity_server].read_rows("parity", b.index, src=S)
+    [line] = [r.getMessage() for r in caplog.records if "waited in vain" in r.getMessage()]
+    assert f"shard {S} (" in line and f"staged txns ['{part.txn}']" in line, line
+    assert decide_part(net, part.txn, S, staged, commit=True) == ["committed"] * K
+    assert net[b.parity_server].read_rows("parity", b.index, src=S).records.shape[0] == b.index.numel()
+
+
 def test_degraded_read_of_a_failed_shard_equals_its_rows(ctx):
     net, twin = Net(ctx), Net(ctx)
     for u in make_updates(ctx, 3, seed=7):
