@@ -14,6 +14,7 @@ import torch
 
 from ecrec.core.stripes import other_member_lost
 from ecrec.delivery import DeltaLogDriver
+from ecrec.store import Busy, PeerFailed
 from tests.netsim import (
     WORKER,
     Net,
@@ -485,3 +486,37 @@ def test_a_parity_server_that_heard_of_the_failure_first_still_gets_every_delta_
     assert_same_model(logical_model(net), logical_model(ref))
     assert_parity_ok(net)
     assert net[x].stats["rows_caught_up"] > 0
+
+
+def test_an_expired_degraded_write_whose_delta_is_refused_commits_on_a_later_pass_and_says_so_once(caplog):
+    """A degraded write's delta, once sent to the other parity server, makes the write committed, never
+    aborted (the other record may hold it). Refused there, the write stays until an expiry pass commits it;
+    a refusal that lasts is said once in the log (its rows are kept from a rebuild until it commits)."""
+    net = Net(ecrec_job(), txn_timeout=5.0)
+    p, victim = net.ctx.placement, 1
+    home = int(p.parity_of(victim, torch.tensor([0]), 0)[0][0])
+    other = int(p.parity_of(victim, torch.tensor([0]), 1)[0][0])
+    net.kill(victim)
+
+    sends = []
+
+    def refuse(call) -> None:  # after the alignment: the write's own send, then two expiry passes
+        if (call.method, call.phase, call.caller, call.server) == ("receive_deltas", "before", home, other):
+            sends.append(call)
+            if 2 <= len(sends) <= 4:
+                raise PeerFailed(other, "not now")
+
+    net.hooks.append(refuse)
+    g = p.global_id(victim, torch.tensor([0]))
+    grads = torch.randn(1, net.ctx.dim, generator=torch.Generator().manual_seed(3))
+    with pytest.raises(Busy, match="did not take it"):
+        net.call(WORKER, home, "apply_part", "w0-1", g, grads, victim)
+    net.clock.advance(6.0)
+    with caplog.at_level("WARNING", logger="ecrec.server"):
+        for _ in range(2):
+            net[home].expire()
+            assert net[home].staged_count() > 0
+    said = [r.getMessage() for r in caplog.records if "could not commit yet" in r.getMessage()]
+    assert len(said) == 1 and "w0-1" in said[0] and f"parity server {other}" in said[0], said
+    net[home].expire()  # taken now
+    assert len(sends) == 5 and net[home].staged_count() == 0 and net[home].outcomes["w0-1"] == "committed"

@@ -16,6 +16,7 @@ Uses the other parts (one ShardStore): `ensure_rows`, `lost_rows`, `_check_actin
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ from ecrec.core.txn import DeltaBatch, RowLocks
 from ecrec.core.update import step_of, txn_age
 from ecrec.faults import fault_point
 from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
+
+log = logging.getLogger("ecrec.server")
 
 # How long a stage waits for rows another worker's part holds before answering Busy. Waits follow wait-die
 # (Participant._wait_rows), so they form no cycle; the bound is for a holder whose worker died (its part
@@ -312,8 +315,11 @@ class Participant(StoreState):
         for txn in committing:  # (r = 2) their other parity record may hold them already: commit, not abort
             try:
                 self.commit(txn)
-            except Busy:
-                pass  # the next expiry pass tries again
+                self._said_committing.discard(txn)
+            except Busy as e:  # the next expiry pass tries again; said once (a write that never commits
+                if txn not in self._said_committing:  # keeps its rows from a rebuild)
+                    self._said_committing.add(txn)
+                    log.warning("expired degraded write %s could not commit yet: %s", txn, e)
         if self.logged:
             self.forward_due()
             with self.lock:

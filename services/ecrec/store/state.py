@@ -186,6 +186,7 @@ class StoreState:
         # The checkpoint fallback's rollback: forwards held (hold_forwards), forward passes on their way.
         self._forwards_held = False
         self._forwarding = 0
+        self._said_committing: set[str] = set()  # expired degraded writes whose commit failed, logged once
         self.stats = {
             "degraded_rows": 0,
             "buffered": 0,
