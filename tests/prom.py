@@ -247,9 +247,9 @@ ENDLESS = ("model.preset=tiny", "training.steps=100000")
 
 
 @contextmanager
-def local_job(out: Path, sets: tuple[str, ...] = ENDLESS, kill: str = "2@3"):
-    """`ecrec local examples/local-small.yaml --kill KILL` (ECRec k=4 on 5 servers, 2 workers) in the background;
-    yields a `Job` once its coordinator answers, and stops it on exit."""
+def local_job(out: Path, sets: tuple[str, ...] = ENDLESS, kill: str = "2@3", args: tuple[str, ...] = ()):
+    """`ecrec local examples/local-small.yaml --kill KILL [ARGS]` (ECRec k=4 on 5 servers, 2 workers) in the
+    background; yields a `Job` once its coordinator answers, and stops it on exit."""
     out.mkdir(parents=True, exist_ok=True)
     argv = [
         sys.executable,
@@ -261,7 +261,7 @@ def local_job(out: Path, sets: tuple[str, ...] = ENDLESS, kill: str = "2@3"):
         "--out",
         str(out),
     ]
-    argv += [a for s in sets for a in ("--set", s)] + (["--kill", kill] if kill else [])
+    argv += [a for s in sets for a in ("--set", s)] + (["--kill", kill] if kill else []) + list(args)
     with open(out / "launcher.log", "ab") as log:
         proc = subprocess.Popen(
             argv,

@@ -403,6 +403,18 @@ def test_kill_option_is_validated_before_starting(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_replace_after_is_validated_before_starting(tmp_path, capsys):
+    from ecrec.cli import main
+    from tests.test_local import REPO
+
+    argv = ["local", str(REPO / "examples/local-small.yaml"), "--out", str(tmp_path / "o"), "--replace-after"]
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, bad])
+        assert exit_.value.code == 2 and "--replace-after" in capsys.readouterr().err, bad
+    assert not (tmp_path / "o").exists()
+
+
 def test_kill_times_are_seconds_or_a_step():
     from ecrec.cli import _parse_kill
 

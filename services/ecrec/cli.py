@@ -52,6 +52,9 @@ def cmd_local(args) -> int:
     if not 1 <= args.concurrent <= ctx.num_servers:
         console.print(f"[red]error:[/] --concurrent: between 1 and the job's {ctx.num_servers} servers")
         return 2
+    if not 0 <= args.replace_after < float("inf"):
+        console.print(f"[red]error:[/] --replace-after {args.replace_after}: seconds, 0 or more")
+        return 2
     server_kills = any(isinstance(target, int) for target, _at in kills)
     if (server_kills or args.chaos) and ctx.spec.fault_tolerance.strategy == "none":
         console.print(
@@ -88,6 +91,7 @@ def cmd_local(args) -> int:
             seed=args.seed if args.seed is not None else ctx.spec.training.seed,
             rebuild_error=args.rebuild_error,
             cpus=cpus,
+            replace_after=args.replace_after,
         )
     except JobFailed as e:
         console.print(f"[red]job failed:[/] {e}")
@@ -450,6 +454,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--chaos: each kill takes down C distinct random servers at the same moment (C <= r survives)",
     )
     p.add_argument("--seed", type=int, help="seed of --chaos (default: training.seed)")
+    p.add_argument(
+        "--replace-after",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="start a killed server's replacement this long after its death, as a pod's scheduling and start "
+        "would (default 0: at once; training runs degraded meanwhile)",
+    )
     p.add_argument(
         "--rebuild-error",
         action="store_true",

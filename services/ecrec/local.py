@@ -300,6 +300,7 @@ class Supervisor:
         seed: int = 0,
         hold_seed: Callable[[dict], bool] | None = None,
         concurrent: int = 1,
+        replace_after: float = 0.0,
     ):
         import random
 
@@ -314,6 +315,8 @@ class Supervisor:
         self.hold_seed = hold_seed
         self.events: list[EventIn] = []  # events for the coordinator, not yet delivered
         self.started_at: float | None = None
+        self.replace_after = replace_after
+        self._dead_since: dict[int, float] = {}  # shard -> when its replacement was first wanted
 
     def tick(self, cluster: LocalCluster, status: dict | None) -> None:
         """One pass; `status` is None while no coordinator answers."""
@@ -372,6 +375,12 @@ class Supervisor:
                 self.events.append(EventIn(kind="server_killed", shard=target, at=at))
         self._post_events(cluster)
 
+    def _replacement_due(self, shard: int) -> bool:
+        """`--replace-after`: a replacement server starts that long after it was first wanted. A pod takes
+        seconds to be scheduled and started; a local fork ~0.1 s, and degraded mode would last no longer."""
+        since = self._dead_since.setdefault(shard, time.monotonic())
+        return time.monotonic() - since >= self.replace_after
+
     def _post_events(self, cluster: LocalCluster) -> None:
         """What the supervisor did, told to the coordinator; kept until one answers (it may be dead too)."""
         while self.events:
@@ -413,6 +422,9 @@ class Supervisor:
             else:
                 cluster.spawn_coordinator(a.incarnation)
         elif a.kind == "create" and a.role == "server":
+            if a.replacement and not self._replacement_due(a.index):
+                return
+            self._dead_since.pop(a.index, None)
             cluster.spawn_server(a.index, a.incarnation, a.replacement)
         elif a.kind == "create" and a.role == "worker":
             cluster.spawn_worker(a.index, a.incarnation, a.replacement)
@@ -480,6 +492,7 @@ def run_local(
     env: dict[str, str] | None = None,
     hold_seed: Callable[[dict], bool] | None = None,
     cpus: dict[str, str] | None = None,
+    replace_after: float = 0.0,
 ) -> dict:
     """Run the job to completion and return the report. Raises JobFailed (after cleaning up) on failure.
 
@@ -488,7 +501,8 @@ def run_local(
     how far the decoded records were from that run's (ecrec.rebuild_error). `env` goes to the children.
     `hold_seed` (tests): once the coordinator's saved state satisfies it, a successor coordinator starts from
     that state however much later its predecessor dies (the seed a launcher saved just before it missed
-    the last few changes). `cpus`: role -> the cores its processes run on (`0-5`; a spare's are the servers')."""
+    the last few changes). `cpus`: role -> the cores its processes run on (`0-5`; a spare's are the servers').
+    `replace_after`: seconds between a server's death and the start of its replacement (spares are not held)."""
     from ecrec import finalchecks
     from ecrec import rebuild_error as rebuild
     from ecrec.client import PSClient
@@ -511,7 +525,7 @@ def run_local(
     total = spec.training.steps * spec.workers.replicas * spec.training.batch_size
     if not 1 <= concurrent <= ctx.num_servers:
         raise ValueError(f"concurrent: between 1 and the {ctx.num_servers} servers, got {concurrent}")
-    supervisor = Supervisor(kills, chaos, seed, hold_seed, concurrent)
+    supervisor = Supervisor(kills, chaos, seed, hold_seed, concurrent, replace_after)
 
     def tick(cl: LocalCluster, status: dict | None) -> None:
         supervisor.tick(cl, status)
