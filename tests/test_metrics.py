@@ -73,9 +73,7 @@ def check_conventions(text: str, job: str, role: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a replacement server starts slowly on a busy machine
 def test_expositions_of_a_job_with_a_kill_pass_promtool_and_follow_conventions(tmp_path):
-    # The replacement starts 3 s after the kill: degraded reads and writes happen however fast the machine (a
-    # local replacement is up in ~0.1 s, and one CI run's workers made none before it was).
-    with local_job(tmp_path / "job", kill="2@2", args=("--replace-after", "3")) as job:
+    with local_job(tmp_path / "job", kill="2@2") as job:  # (its replacement 3 s later: tests/prom.py)
         # Bounded waits: a broken job fails the test with its logs instead of hanging it.
         job.wait("the recovery of shard 2", job.recovered, 300)
         workers = lambda: job.status()["workers"]  # noqa: E731
