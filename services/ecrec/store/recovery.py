@@ -95,10 +95,9 @@ class Recovery(StoreState):
             t for t, idx, _slot in self.parity.staged_members(src) if bool(torch.isin(idx, index).any())
         }
         held = [b for b in self.parity.held if b.src == src and bool(torch.isin(b.index, index).any())]
-        key = getattr(self.peers, "failure_key", None)
         return (
-            f"shard {src} (incarnation {key(src) if key else '-'} in this server's map, failed: "
-            f"{self.peers.is_failed(src)}, held from {getattr(self, 'held_from', {}).get(src)}): staged txns "
+            f"shard {src} (incarnation {self._failure_key(src)} in this server's map, failed: "
+            f"{self.peers.is_failed(src)}, held from {self.held_from.get(src)}): staged txns "
             f"{sorted(staged)[:4]}, held {[(b.txn, b.incarnation) for b in held[:4]]} "
             f"({self.parity.why_held(held)}), degraded write running: {self.acting.writing(src)}"
         )
