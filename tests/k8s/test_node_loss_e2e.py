@@ -203,7 +203,9 @@ def test_servers_sharing_a_node_survive_its_loss_by_rolling_back_to_the_fallback
     }
     kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(claim))
     fallback = {"intervalSteps": 200, "volumeClaim": CLAIM}
-    start_pinned(kube, name, shared, steps=1500, **{"faultTolerance.ecrec.fallback": fallback})
+    # 5000 steps: the node is lost mid-training however fast the machine (with 1500, one run finished training
+    # between its first fallback checkpoint and the node loss, and rolled back with no step to redo)
+    start_pinned(kube, name, shared, steps=5000, **{"faultTolerance.ecrec.fallback": fallback})
     cond = wait_for("FailureDomainsAtRisk=True", lambda: domain_condition(kube, name, "True"), 60)
     assert f"{shared} holds servers 0, 1, 2, 3" in cond["message"], cond
     wait_for(
