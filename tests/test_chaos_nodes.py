@@ -198,6 +198,47 @@ def test_the_taint_injector_cordons_taints_and_deletes_the_jobs_pods_there_then_
     assert code == 0 and all(f.outcome == "recovered" for f in faults)
 
 
+def test_a_node_whose_pods_cannot_be_deleted_is_not_left_tainted(monkeypatch):
+    monkeypatch.setattr(driver.time, "time", lambda: 2e9)
+
+    class Refusing(FakeCluster):
+        def delete_pod(self, name, grace):
+            raise RuntimeError(f"403 deleting {name}")
+
+    fc = Refusing([status()], {})
+    with pytest.raises(RuntimeError, match="403 deleting j-server-1-1"):
+        chaos(fc)
+    assert [body["spec"]["unschedulable"] for _, body in fc.patches] == [True, None]
+    assert fc.taints == [{"key": "keep", "effect": "NoSchedule"}]
+
+
+def test_deleting_a_pod_that_is_already_gone_is_not_an_error():
+    """A NoExecute taint's eviction may delete the node's pods before chaos does (it did on a CI run)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from ecrec.chaos.cluster import Cluster
+
+    class Core:
+        def __init__(self, status):
+            self.status = status
+
+        def delete_namespaced_pod(self, name, namespace, grace_period_seconds):
+            if self.status:
+                raise ApiException(
+                    status=self.status, reason="Not Found" if self.status == 404 else "Forbidden"
+                )
+
+    cluster = object.__new__(Cluster)  # the API calls only: no kubeconfig
+    cluster.namespace = "ns"
+    cluster.core = Core(None)
+    assert cluster.delete_pod("p", 0) is True
+    cluster.core = Core(404)
+    assert cluster.delete_pod("p", 0) is False
+    cluster.core = Core(403)
+    with pytest.raises(ApiException):
+        cluster.delete_pod("p", 0)
+
+
 def test_a_tainted_node_without_pods_of_the_job_stays_down_for_the_duration(monkeypatch):
     clock = iter(range(10**6))
     monkeypatch.setattr(driver.time, "time", lambda: 2e9 + next(clock))

@@ -365,6 +365,32 @@ def test_fallback_more_than_r_lost_rolls_every_rank_back_to_the_last_checkpoint(
     assert c.tick(31.0) == [] and c.control()["pause"] == 2  # checkpoints go on
 
 
+def test_reports_while_the_restore_loads_never_lower_where_a_rank_stopped():
+    # On a cluster the restore takes seconds, and a stopped worker's heartbeats meanwhile carry the coordinator's
+    # count of its last report before the stop (below the checkpoint's step): taken as they came, they read as
+    # nothing to redo (stepsRedone 0 after a node loss mid-training, in k8s e2e runs).
+    c = fallback()
+    report(c, 0, 5)
+    report(c, 1, 5)
+    checkpointed(c, 5, 10.0)
+    report(c, 0, 4)  # (a count from before the checkpoint, late: training goes on and takes it)
+    report(c, 0, 9)
+    report(c, 1, 8)
+    c.failure(1)
+    c.failure(2)
+    c.beyond_parity((1, 2))
+    report(c, 0, 9, stopped=1)
+    report(c, 1, 8, stopped=1)
+    c.registered(1)
+    assert c.registered(2) == [Act("restore", 1, (0, 1, 2, 3, 4))]
+    report(c, 0, 4, stopped=1)  # while the restore loads
+    report(c, 1, 3, stopped=1)
+    c.restored((0, 1, 2, 3, 4), True, now=20.0)
+    assert c.steps_redone == (9 - 5) + (8 - 5)
+    report(c, 0, 5, stopped=1)  # after it: the resume point, as the coordinator counts it again
+    assert c.workers[0].step == 5
+
+
 def test_fallback_without_a_checkpoint_yet_rolls_back_to_the_initial_state():
     c = fallback()
     report(c, 0, 3, stopped=0)

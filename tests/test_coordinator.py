@@ -14,6 +14,7 @@ from ecrec import auth
 from ecrec.coordinator.app import create_app
 from ecrec.coordinator.probe import SingleFlight, probe_server
 from ecrec.coordinator.service import Coordinator
+from ecrec.core.checkpointing import Phase
 from ecrec.core.cluster import ClusterMap, ProbeFirst, ShardState
 from tests.conftest import make_ctx
 
@@ -263,6 +264,9 @@ def test_the_steps_a_worker_trained_since_its_last_report_count_as_redone_when_i
     assert report(130, stopped=1) == 200  # it stopped 30 steps on
     with coord.lock:
         cycle.registered(1)
+    assert cycle.phase is Phase.RESTORING
+    assert report(130, stopped=1) == 200  # its heartbeat while the restore loads (seconds, on a cluster)
+    with coord.lock:
         cycle.restored((0, 1), True, now=coord.clock())
         coord.rolled_back(cycle.resume)
     assert cycle.steps_redone == 130  # no checkpoint yet: all of them

@@ -488,10 +488,14 @@ def test_a_parity_server_that_heard_of_the_failure_first_still_gets_every_delta_
     assert net[x].stats["rows_caught_up"] > 0
 
 
-def test_an_expired_degraded_write_whose_delta_is_refused_commits_on_a_later_pass_and_says_so_once(caplog):
+@pytest.mark.parametrize("committer", ["expiry", "worker"])
+def test_an_expired_degraded_write_whose_delta_is_refused_commits_on_a_later_pass_and_says_so_once(
+    caplog, committer
+):
     """A degraded write's delta, once sent to the other parity server, makes the write committed, never
-    aborted (the other record may hold it). Refused there, the write stays until an expiry pass commits it;
-    a refusal that lasts is said once in the log (its rows are kept from a rebuild until it commits)."""
+    aborted (the other record may hold it). Refused there, the write stays until an expiry pass (or its
+    worker's retried commit) commits it; a refusal that lasts is said once in the log (its rows are kept from
+    a rebuild until it commits), and forgotten once it commits."""
     net = Net(ecrec_job(), txn_timeout=5.0)
     p, victim = net.ctx.placement, 1
     home = int(p.parity_of(victim, torch.tensor([0]), 0)[0][0])
@@ -518,5 +522,9 @@ def test_an_expired_degraded_write_whose_delta_is_refused_commits_on_a_later_pas
             assert net[home].staged_count() > 0
     said = [r.getMessage() for r in caplog.records if "could not commit yet" in r.getMessage()]
     assert len(said) == 1 and "w0-1" in said[0] and f"parity server {other}" in said[0], said
-    net[home].expire()  # taken now
+    if committer == "expiry":
+        net[home].expire()  # taken now
+    else:
+        assert net.call(WORKER, home, "commit", "w0-1") == "committed"
     assert len(sends) == 5 and net[home].staged_count() == 0 and net[home].outcomes["w0-1"] == "committed"
+    assert "w0-1" not in net[home]._said_committing

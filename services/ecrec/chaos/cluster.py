@@ -128,8 +128,17 @@ class Cluster:
             return False
         return any(r.get("name") == PODCHAOS_PLURAL for r in self._json(resp).get("resources", []))
 
-    def delete_pod(self, name: str, grace: int) -> None:
-        self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace)
+    def delete_pod(self, name: str, grace: int) -> bool:
+        """Deletes the pod; False if it was already gone (a NoExecute taint's eviction, the operator, a user)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=grace)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return False
+        return True
 
     def pause(self, pod: str, duration: float, fault_id: str) -> None:
         self.core.patch_namespaced_pod(pod, self.namespace, pause_patch(duration, fault_id))

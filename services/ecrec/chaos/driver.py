@@ -231,8 +231,12 @@ def _inject_node_loss(
         cluster.patch_node(node, down_patch(opts.duration, f"{n}-{uuid.uuid4().hex[:8]}"))
     else:
         cluster.patch_node(node, taint_patch(obj, down=True))
-        for f in new:
-            cluster.delete_pod(f.pod, 0)
+        try:
+            for f in new:
+                cluster.delete_pod(f.pod, 0)
+        except BaseException:  # a node left cordoned and tainted would outlive the chaos run
+            cluster.patch_node(node, taint_patch(cluster.node(node), down=False))
+            raise
     say(f"fault {n}/{opts.count}: node-loss {node} for {opts.duration:g}s (injector {injector}): {lost}")
     if injector == "annotation":
         return new, None

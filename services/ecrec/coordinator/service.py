@@ -46,7 +46,6 @@ from ecrec.coordinator.contract import (
 from ecrec.coordinator.probe import SingleFlight, probe_server
 from ecrec.coordinator.records import RecoveryLog
 from ecrec.coordinator.recovery import RecoveryDriver
-from ecrec.core.checkpointing import Phase
 from ecrec.core.cluster import ClusterMap, ShardState, Transition
 from ecrec.core.cpu import CpuAccount
 from ecrec.core.recovery import RecoveryRecord
@@ -243,14 +242,14 @@ class Coordinator:
             rollback = self.ckpt.cycle.rollback if self.ckpt is not None else 0
             if req.stopped < rollback or req.resumed < rollback:
                 # Sent before the worker took up the latest rollback's resume point: its counts are from before
-                # the restore (the rollback's own, set in rolled_back, stand). One exception: the report of
-                # the stop itself, while the cycle still waits for every stop, says where the worker stopped:
-                # the steps it trained since its last counted report are to be redone too (they were lost
-                # from stepsRedone when the kill came soon after a checkpoint).
+                # the restore (the rollback's own, set in rolled_back, stand). One exception: a report of the
+                # stop, until the restore is done, says where the worker stopped: the steps it trained since
+                # its last counted report are to be redone too (they were lost from stepsRedone when the kill
+                # came soon after a checkpoint).
                 self.workers.heard(w, self.clock())
                 cycle = self.ckpt.cycle
                 step, samples = w.step, w.samples
-                if req.stopped == rollback and cycle.phase is Phase.STOPPING:
+                if req.stopped == rollback and cycle.rolling_back:
                     step, samples = max(step, req.step), max(samples, req.samples)
                 self.ckpt.feed(cycle.report(req.rank, step, samples, w.done, req.paused, req.stopped))
                 return {"epoch": self.cluster.epoch, **self.control()}

@@ -164,6 +164,10 @@ class CheckpointCycle:
         self, rank: int, step: int, samples: int, done: bool, paused: int | None, stopped: int
     ) -> list[Act]:
         w = self.workers.setdefault(rank, Worker())
+        if self.rolling_back:
+            # Where each rank stopped is what the restore counts as redone; reports while it is stopped may
+            # carry older counts (the coordinator's of its last report before the stop): they never lower it.
+            step, samples = max(step, w.step), max(samples, w.samples)
         w.step, w.samples, w.done, w.paused, w.stopped = step, samples, done, paused, stopped
         w.lost = False
         return self._advance()

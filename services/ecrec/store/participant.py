@@ -223,6 +223,7 @@ class Participant(StoreState):
                 self.parity.commit(txn, write.src)
                 self.cuts.forwards.pop(txn, None)
                 self.cuts.sent.discard(txn)
+                self._said_committing.discard(txn)  # (whoever commits it: its worker, or expiry)
                 self._remember(txn, "committed")
                 self._parity_changed()
                 return "committed"
@@ -315,7 +316,6 @@ class Participant(StoreState):
         for txn in committing:  # (r = 2) their other parity record may hold them already: commit, not abort
             try:
                 self.commit(txn)
-                self._said_committing.discard(txn)
             except Busy as e:  # the next expiry pass tries again; said once (a write that never commits
                 if txn not in self._said_committing:  # keeps its rows from a rebuild)
                     self._said_committing.add(txn)
