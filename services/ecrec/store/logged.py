@@ -264,11 +264,12 @@ class LoggedUpdates(StoreState):
         (Needs `lock`.)"""
         now = -1 if self.peers.is_failed(src) else self._incarnation(src)
         before = self.held_from.get(src, 0)
-        if now == 0 or before in (0, now):  # 0: not known yet (this server's map was never needed)
-            self.held_from[src] = now or before
+        if now in (0, before):  # 0: not known yet (this server's map was never needed)
             return
         self.held_from[src] = now
-        for h in self.parity.drop_held(src):
+        # A first look (before 0) at a shard that is up cannot tell which incarnation its held deltas came
+        # from but by their stamps: those of another one wait for predecessors that will be refused.
+        for h in self.parity.drop_held(src, incarnation=now if before == 0 and now > 0 else None):
             self._keep_refused(h)
             key = (h.txn, h.src)
             prev = self.refused.get(key)
