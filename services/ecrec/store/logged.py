@@ -212,6 +212,7 @@ class LoggedUpdates(StoreState):
                     refused.append((b.txn, b.src, b.index))
                     self._keep_refused(b)  # (r = 2: the other parity record may have taken it)
                 else:
+                    self._written_again(b)
                     if not self.parity.apply(b):
                         held.append(b)
                     accepted.append(b)
@@ -227,6 +228,21 @@ class LoggedUpdates(StoreState):
                 self.held_cond.notify_all()
         fault_point("delta:after_stage")
         return refused, accepted, held
+
+    def _written_again(self, b: DeltaBatch) -> None:
+        """A part's rows dropped here with an earlier incarnation of `b.src`, delivered anew: its worker, told
+        they were refused, wrote them again at the replacement under the same txn (deltaLog's txns are
+        stable). They are applied now, no longer refused: named so again, they were written again for ever.
+        (Needs `lock`.)"""
+        key = (b.txn, b.src)
+        rows = self.refused.get(key)
+        if rows is None:
+            return
+        left = rows[~torch.isin(rows, b.index)]
+        if left.numel():
+            self.refused[key] = left
+        else:
+            del self.refused[key]
 
     def _still_held(self, held: list[DeltaBatch]) -> bool:
         """Is a batch of `held` neither applied nor dropped (settled by `_dropped`)? (Needs `lock`.)"""
