@@ -274,6 +274,26 @@ def test_held_deltas_of_a_replaced_incarnation_are_dropped_and_written_again_at_
     assert_consistent(net)
 
 
+def test_an_expiry_pass_drops_held_deltas_of_a_shard_failed_since_even_if_no_delivery_comes(ctx):
+    # The deliveries waiting for the held rows do not look at the map themselves: expiry passes do, for every
+    # shard this server has held from — also one whose incarnation its map did not know then (a live r = 2 job
+    # hung for the progress timeout when such a shard was left out).
+    net, g = Net(ctx), rows(ctx)
+    a, b = grads(ctx, g, 1), grads(ctx, g, 2)
+    parity = [q for q in range(N) if q != S]
+    for q in parity:  # their maps never say S's incarnation
+        net[q].peers.failure_key = lambda s: 0 if s == S else net.incarnation[s]
+    stage(net, "w0-1/1.-1.0", g, a)  # never delivered
+    _, db = stage(net, "w1-1/1.-1.0", g, b)
+    assert deliver(net, db) == []  # held
+    assert any(net[q].parity.holding() for q in parity)
+    net.kill(S)
+    for q in parity:
+        net[q].expire()
+    assert not any(net[q].parity.holding() for q in parity)
+    assert sum(r[2].numel() for r in deliver(net, db, wait=True)) == g.numel()  # its worker is told
+
+
 def test_deltas_of_a_replaced_incarnation_are_refused(ctx):
     net, g = Net(ctx), rows(ctx)
     a = grads(ctx, g, 1)

@@ -281,6 +281,7 @@ class LoggedUpdates(StoreState):
         now = -1 if self.peers.is_failed(src) else self._incarnation(src)
         before = self.held_from.get(src, 0)
         if now in (0, before):  # 0: not known yet (this server's map was never needed)
+            self.held_from.setdefault(src, now)  # (a key: every expiry pass looks again, `expire`)
             return
         self.held_from[src] = now
         # A first look (before 0) at a shard that is up cannot tell which incarnation its held deltas came
