@@ -64,6 +64,20 @@ def test_held_rows_read_back_as_batches_by_part_and_a_failed_servers_rows_drop()
     assert torch.equal(bits(fast.parity), bits(slow.parity)) and fast.pver[1, 2] == 3 and fast.held == []
 
 
+def test_held_rows_dropped_for_an_incarnation_keep_that_incarnations_and_the_unsaid():
+    fast, slow = c_and_torch()
+    ahead = [
+        batch(t, 1, index=[i], slot=[1], version=[2], seed=i) for i, t in enumerate(("old", "new", "unsaid"))
+    ]
+    for b, inc in zip(ahead, (1, 2, 0), strict=True):
+        b.incarnation = inc
+        assert fast.apply(b) is slow.apply(b) is False
+    dropped = [[h.txn for h in pp.drop_held(1, incarnation=2)] for pp in (fast, slow)]
+    assert dropped == [["old"], ["old"]]
+    assert fast.held_parts() == slow.held_parts() == {("new", 1), ("unsaid", 1)}
+    assert [h.txn for h in fast.drop_held(1)] == ["new", "unsaid"] and fast.held == []
+
+
 def test_a_row_held_twice_applies_once_and_leaves_nothing_behind():
     """The same delta delivered by its worker and forwarded by its data server, both ahead of version 1."""
     pp = parity_participant()

@@ -404,13 +404,17 @@ class ParityParticipant:
                 )
         return "nothing held"
 
-    def drop_held(self, src: int) -> list[DeltaBatch]:
+    def drop_held(self, src: int, incarnation: int | None = None) -> list[DeltaBatch]:
         """Forget the held rows of data server `src` (it failed or was replaced: the predecessors they wait for
-        will be refused, so they can never apply). Returns what was dropped."""
+        will be refused, so they can never apply); with `incarnation`, only those stamped with another one
+        (0: not said, kept). Returns what was dropped."""
         held = self.held
-        dropped = [h for h in held if h.src == src]
+        stale = [
+            h.src == src and (incarnation is None or h.incarnation not in (0, incarnation)) for h in held
+        ]
+        dropped = [h for h, x in zip(held, stale, strict=True) if x]
         if dropped:
-            self.held = [h for h in held if h.src != src]
+            self.held = [h for h, x in zip(held, stale, strict=True) if not x]
             self.mark_held()
         return dropped
 

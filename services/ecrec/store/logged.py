@@ -212,6 +212,7 @@ class LoggedUpdates(StoreState):
                     refused.append((b.txn, b.src, b.index))
                     self._keep_refused(b)  # (r = 2: the other parity record may have taken it)
                 else:
+                    self._written_again(b)
                     if not self.parity.apply(b):
                         held.append(b)
                     accepted.append(b)
@@ -227,6 +228,21 @@ class LoggedUpdates(StoreState):
                 self.held_cond.notify_all()
         fault_point("delta:after_stage")
         return refused, accepted, held
+
+    def _written_again(self, b: DeltaBatch) -> None:
+        """A part's rows dropped here with an earlier incarnation of `b.src`, delivered anew: its worker, told
+        they were refused, wrote them again at the replacement under the same txn (deltaLog's txns are
+        stable). They are applied now, no longer refused: named so again, they were written again for ever.
+        (Needs `lock`.)"""
+        key = (b.txn, b.src)
+        rows = self.refused.get(key)
+        if rows is None:
+            return
+        left = rows[~torch.isin(rows, b.index)]
+        if left.numel():
+            self.refused[key] = left
+        else:
+            del self.refused[key]
 
     def _still_held(self, held: list[DeltaBatch]) -> bool:
         """Is a batch of `held` neither applied nor dropped (settled by `_dropped`)? (Needs `lock`.)"""
@@ -264,11 +280,13 @@ class LoggedUpdates(StoreState):
         (Needs `lock`.)"""
         now = -1 if self.peers.is_failed(src) else self._incarnation(src)
         before = self.held_from.get(src, 0)
-        if now == 0 or before in (0, now):  # 0: not known yet (this server's map was never needed)
-            self.held_from[src] = now or before
+        if now in (0, before):  # 0: not known yet (this server's map was never needed)
+            self.held_from.setdefault(src, now)  # (a key: every expiry pass looks again, `expire`)
             return
         self.held_from[src] = now
-        for h in self.parity.drop_held(src):
+        # A first look (before 0) at a shard that is up cannot tell which incarnation its held deltas came
+        # from but by their stamps: those of another one wait for predecessors that will be refused.
+        for h in self.parity.drop_held(src, incarnation=now if before == 0 and now > 0 else None):
             self._keep_refused(h)
             key = (h.txn, h.src)
             prev = self.refused.get(key)
