@@ -135,13 +135,15 @@ def test_checknrun_quantized_to_4_bits_recovers_and_still_trains(tmp_path, basel
 def test_cpr_saves_hot_rows_between_full_checkpoints_and_restores_them_after_a_kill(tmp_path, hot):
     ctx = make_ctx(
         f"cpr-{hot}",
-        **{**DET, "training__steps": 1000},  # long enough for saves before and after the kill, even when busy
+        # Paced: at most 50 steps a second, so the kill at step 150 comes at least 3 s into training (after a
+        # full checkpoint and hot-row saves) and 250 steps, at least 5 s, before its end on any machine.
+        **{**DET, "training__steps": 400, "training__maxStepsPerSecond": 50},
         faultTolerance__strategy="cpr",
         faultTolerance__cpr__intervalSeconds=1.0,
         faultTolerance__cpr__hotRows=hot,
         faultTolerance__cpr__hotRowFraction=0.25,  # hot-row saves every 0.25 s, of at most a quarter of the rows
     )
-    report = run_local(ctx, tmp_path, progress=False, kills=[(1, 2.5)])
+    report = run_local(ctx, tmp_path, progress=False, kills=[(1, "step:150")])
     committed = events(report, "checkpoint_committed")
     hot_saves = [c for c in committed if c.get("hot")]
     assert hot_saves and all("pause_seconds" not in c for c in hot_saves), committed  # training never paused
@@ -152,7 +154,7 @@ def test_cpr_saves_hot_rows_between_full_checkpoints_and_restores_them_after_a_k
     # The restore point is the newest save before the failure: the full checkpoint, then its hot-row saves.
     before = [c["checkpoint"] for c in committed if c["t"] <= detected["t"]]
     assert before and restored["checkpoint"] == before[-1], (restored, committed)
-    assert report["eval"]["auc"] > 0.6 and report["samples"] == 1000 * 64
+    assert report["eval"]["auc"] > 0.6 and report["samples"] == 400 * 64
 
 
 def test_a_killed_coordinator_is_replaced_and_its_successor_rolls_back_to_the_stores_newest_checkpoint(

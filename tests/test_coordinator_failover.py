@@ -367,14 +367,16 @@ def test_coordinator_killed_with_a_seed_older_than_the_replacement_rebuilds_the_
         faultTolerance__ecrec__lockGroupRows=64,
         coordinator__heartbeatIntervalSeconds=2.0,
         coordinator__failureTimeoutSeconds=6.0,
+        # The workers report their steps with their 2 s heartbeats: the supervisor sees step 20 up to ~2.5 s
+        # after it, so it is paced (one CI run's unpaced report of step 60 came after training had ended). At
+        # 40 steps a second the kill lands by step ~120 of 200 on any machine.
+        training__maxStepsPerSecond=40,
     )
     report = run_local(
         ctx,
         tmp_path,
         progress=False,
-        # (at a time: the workers report their steps with their 2 s heartbeats, and one CI run's report of
-        # step 60 came after training had ended)
-        kills=[(2, 1.0)],
+        kills=[(2, "step:20")],
         fault="coordinator:coordinator:recovered_dense",
         hold_seed=lambda seed: seed["shards"][2]["state"] == "failed",
     )

@@ -446,6 +446,27 @@ class Holds:
             time.sleep(self.POLL * 5)
 
 
+class Pace:
+    """training.maxStepsPerSecond: step starts at least 1/rate apart. A step that ran late is not made up for
+    by a burst after it (a recovery's slow steps leave the rate as it was). `clock`/`sleep` for tests."""
+
+    def __init__(self, rate: float | None, clock: Callable[[], float] = time.monotonic, sleep=time.sleep):
+        self.interval = 1.0 / rate if rate else 0.0
+        self.clock, self.sleep = clock, sleep
+        self.due = -math.inf
+
+    def wait(self) -> float:
+        """Before a step: sleep until it may start; the seconds slept."""
+        if not self.interval:
+            return 0.0
+        now = self.clock()
+        slept = max(0.0, self.due - now)
+        if slept:
+            self.sleep(slept)
+        self.due = max(self.due, now) + self.interval
+        return slept
+
+
 def _settle(in_flight) -> None:
     """Wait for the update in flight; a lost server's part of it is the rollback's or the restore's concern."""
     if in_flight is not None:
@@ -521,12 +542,14 @@ def run_worker(
     in_flight = None
     B = spec.training.batch_size
     step = int(resume["step"])
+    pace = Pace(spec.training.max_steps_per_second)
     try:
         while True:
             while step < spec.training.steps:
                 if holds is not None and (jump := holds.check(in_flight, step)) is not None:
                     in_flight, step = None, jump
                     continue
+                pace.wait()
                 batch = data.batch(step * workers + rank, B)
                 # Step ids are unique per process and rollback: a replacement's predecessor, or this process
                 # before a rollback, may have applied the same step.

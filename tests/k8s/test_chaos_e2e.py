@@ -14,14 +14,13 @@ from .test_operator_e2e import NS, get_job, job_manifest, operator, wait_done, w
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
-# A job long enough for its fault and the recovery (a replacement pod's start-up) at any pace: measured, 1,500
-# steps trained for ~100 s on a busy machine, the pause began ~16 s in and the recovery was done ~28 s in; on a
-# quiet one (2026-11-29) 900 steps took 12 s, over before the pause. 3,000: ~40 s at that pace, ~200 s at the slow.
-STEPS_ONE_FAULT = 3000
+# Training time for one fault and its recovery (a replacement pod's start-up), paced (util.paced) so that no
+# machine finishes first: on a busy machine the pause began ~16 s into training and the recovery was done ~28 s in.
+SECONDS_ONE_FAULT = 60
 
 
-def start(kube, name: str, steps: int) -> None:
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"training.steps": steps}))
+def start(kube, name: str, seconds: float) -> None:
+    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **util.paced(seconds)))
     wait_for(
         "training to run",
         lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 10,
@@ -31,7 +30,7 @@ def start(kube, name: str, steps: int) -> None:
 
 def test_a_paused_server_is_declared_failed_by_the_coordinator_and_replaced(kube, operator):  # noqa: F811
     name = "e2e-pause"
-    start(kube, name, STEPS_ONE_FAULT)
+    start(kube, name, SECONDS_ONE_FAULT)
     proc = util.chaos(
         kube.kubeconfig,
         NS,

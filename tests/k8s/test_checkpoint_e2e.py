@@ -15,10 +15,9 @@ from .test_operator_e2e import NS, get_job, job_manifest, operator, pods, wait_d
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 CLAIM = "ecrec-checkpoints"
-STEPS = 1200  # room for a checkpoint, a server's loss, its rollback, then the coordinator's loss (the tiny
-# model trains 900 steps in under 40 s, and on a loaded machine each kubectl poll takes seconds: with 600 steps
-# a CI run's kill came after the final checkpoint; measured 2026-11-27 with 2500, every fault of these tests
-# was over by step 300, 15 s into training, and the rest of the 2500 took ~80 s)
+# Room for a checkpoint, a server's loss, its rollback, then the coordinator's loss: paced (util.paced), at
+# least 40 s of training on any machine (every fault of these tests was over by step 300 in a measured run).
+STEPS, PACE = 1200, 30.0
 
 
 def claim_manifest() -> str:
@@ -37,6 +36,7 @@ def start(kube, name: str, strategy: str, settings: dict) -> None:
     kube.kubectl("apply", "-f", "-", input=claim_manifest())
     overrides = {
         "training.steps": STEPS,
+        "training.maxStepsPerSecond": PACE,
         "faultTolerance.strategy": strategy,
         f"faultTolerance.{strategy}": {"intervalSteps": 100, "volumeClaim": CLAIM, **settings},
     }

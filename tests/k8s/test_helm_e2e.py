@@ -356,12 +356,9 @@ def test_chaos_kills_any_pod_and_every_recovery_is_in_the_status_and_in_promethe
     try:
         prom.start()
         feeder.start()
-        # Long enough for three faults and their recoveries on a busy machine: chaos stops early, and the test
-        # fails, if the job finishes first. Measured (2 cores): the three were over ~30 s into training; the pace
-        # varies a lot: 13-15 steps/s beside a second control plane and Prometheus (2026-11-27), but ~45 steps/s
-        # in a CI run (2026-11-29) that finished 1000 steps before the third fault. 3000 steps leaves room at the
-        # fast pace and costs ~3 min at the slow one. (4000 took 5 min at the slow pace.)
-        c.kubectl("apply", "-f", "-", input=util.job_manifest(name, NS, **{"training.steps": 3000}))
+        # Training time for three faults and their recoveries (chaos stops early, and the test fails, if the job
+        # finishes first), paced so that no machine finishes first: on 2 cores the three were over ~30 s in.
+        c.kubectl("apply", "-f", "-", input=util.job_manifest(name, NS, **util.paced(75)))
         wait_for(
             "training to run",
             lambda: (util.get_job(c, NS, name).get("status") or {}).get("step", 0) >= 10,

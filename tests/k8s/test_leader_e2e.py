@@ -72,7 +72,12 @@ def test_killing_the_leader_mid_recovery_hands_over_without_a_double_replacement
     a, b = candidates
     name = "leader-kill"
     kube.kubectl(
-        "apply", "-f", "-", input=util.job_manifest(name, NS, **{"faultTolerance.ecrec.lockGroupRows": 64})
+        "apply",
+        "-f",
+        "-",
+        input=util.job_manifest(
+            name, NS, **{"faultTolerance.ecrec.lockGroupRows": 64, **util.paced(25, pace=20)}
+        ),
     )
     wait_for(
         "training to run",

@@ -47,7 +47,9 @@ def operator(kube_multinode: KubeTestEnv, ns: str, tmp_path_factory):
         yield op
 
 
-def start(kube: KubeTestEnv, name: str, steps: int, **overrides) -> None:
+def start(kube: KubeTestEnv, name: str, seconds: float, **overrides) -> None:
+    """A job of four servers, one per node, that trains for at least `seconds` (util.paced): a node lost once
+    it trained 10 steps is lost mid-training, however fast the machine."""
     spec = {
         "servers.replicas": 4,
         "faultTolerance.ecrec.k": 3,
@@ -55,7 +57,7 @@ def start(kube: KubeTestEnv, name: str, steps: int, **overrides) -> None:
         "servers.resources": SMALL,
         "workers.resources": SMALL,
         "coordinator.resources": SMALL,
-        "training.steps": steps,
+        **util.paced(seconds),
         **overrides,
     }
     kube.kubectl("apply", "-f", "-", input=util.job_manifest(name, NS, **spec))
@@ -66,7 +68,7 @@ def start(kube: KubeTestEnv, name: str, steps: int, **overrides) -> None:
     )
 
 
-def start_pinned(kube: KubeTestEnv, name: str, node: str, steps: int, **overrides) -> None:
+def start_pinned(kube: KubeTestEnv, name: str, node: str, seconds: float, **overrides) -> None:
     """A job whose servers all run on `node` (FailureDomainsAtRisk), everything else on ecrec-local-0: losing
     `node` is the servers' loss alone."""
     assert node != OTHER and MULTINODE_NODES >= 3
@@ -74,7 +76,7 @@ def start_pinned(kube: KubeTestEnv, name: str, node: str, steps: int, **override
         f"{role}.template": {"spec": {"nodeSelector": {HOSTNAME: node if role == "servers" else OTHER}}}
         for role in ("servers", "coordinator", "workers")
     }
-    start(kube, name, steps, **pin, **overrides)
+    start(kube, name, seconds, **pin, **overrides)
 
 
 def domain_condition(kube: KubeTestEnv, name: str, status: str) -> dict | None:
@@ -100,7 +102,8 @@ def events_of(kube: KubeTestEnv, name: str) -> list[dict]:
 
 def test_a_job_spread_over_the_nodes_survives_a_random_node_loss(kube_multinode: KubeTestEnv, operator):
     kube, name = kube_multinode, "spread-loss"
-    start(kube, name, steps=5000)  # mid-training when the node goes, however fast the machine
+    # The node's outage (40 s) outlasts the node lifecycle controller's grace (12 s) and the rebuild.
+    start(kube, name, seconds=75)
     wait_for("FailureDomainsAtRisk=False", lambda: domain_condition(kube, name, "False"), 60)
     code, out = chaos_json(
         kube, name, "--node", "random", "--duration", "40", "--seed", "3", "--timeout", "300"
@@ -144,7 +147,7 @@ def test_the_taint_injector_loses_a_node_on_any_cluster_and_lifts_it_after(
     """`--injector taint`, what a cluster without the test kubelet gets: the node cordoned and tainted NoExecute,
     the job's pods there deleted at once, replaced elsewhere; after the duration the node takes pods again."""
     kube, name, node = kube_multinode, "taint-loss", "ecrec-local-2"
-    start(kube, name, steps=5000)  # mid-training when the node goes, however fast the machine
+    start(kube, name, seconds=45)
     wait_for("FailureDomainsAtRisk=False", lambda: domain_condition(kube, name, "False"), 60)
     code, out = chaos_json(kube, name, "--node", node, "--injector", "taint", "--duration", "15")
     faults = out["faults"]
@@ -168,7 +171,7 @@ def test_servers_sharing_a_node_fail_the_job_naming_the_shards_when_it_is_lost(
     kube_multinode: KubeTestEnv, operator
 ):
     kube, name, shared = kube_multinode, "shared-loss", "ecrec-local-2"
-    start_pinned(kube, name, shared, steps=5000)
+    start_pinned(kube, name, shared, seconds=90)  # it fails at the loss; paced, it cannot end before
     code, out = chaos_json(kube, name, "--node", shared, "--duration", "30", "--timeout", "300")
     assert code == 1, out
     faults = out["faults"]
@@ -202,8 +205,9 @@ def test_servers_sharing_a_node_survive_its_loss_by_rolling_back_to_the_fallback
         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
     }
     kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(claim))
-    fallback = {"intervalSteps": 200, "volumeClaim": CLAIM}
-    start_pinned(kube, name, shared, steps=1500, **{"faultTolerance.ecrec.fallback": fallback})
+    fallback = {"intervalSteps": 150, "volumeClaim": CLAIM}
+    # A checkpoint every 15 s of training at the pace: the node goes after the first and well before the end.
+    start_pinned(kube, name, shared, seconds=60, **{"faultTolerance.ecrec.fallback": fallback})
     cond = wait_for("FailureDomainsAtRisk=True", lambda: domain_condition(kube, name, "True"), 60)
     assert f"{shared} holds servers 0, 1, 2, 3" in cond["message"], cond
     wait_for(

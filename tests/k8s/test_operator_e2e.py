@@ -147,12 +147,7 @@ def pods(kube, selector: str) -> list[dict]:
 
 def test_a_deleted_server_pod_is_replaced_and_rebuilt_while_training_goes_on(kube, operator):
     name = "e2e-kill"
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name))
-    wait_for(
-        "training to run",
-        lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
-        timeout=180,
-    )
+    run_until_training(kube, name)
     # An edit of a running job's spec is not applied (ecrec_operator.pinning): the replacement below must be
     # rendered from the spec the job started with, and no sixth server appear. Seen by the operator first.
     edit = {"spec": {"servers": {"replicas": 6}, "training": {"steps": 100}}}
@@ -238,13 +233,7 @@ def test_two_server_pods_deleted_together_with_r2_are_both_replaced_and_rebuilt(
     on degraded, the operator replaces both under their shard ids, both are rebuilt, and the job succeeds
     with every stripe's P and Q equal to the encoding of its members."""
     name = "e2e-kill-two"
-    spec = {"servers.replicas": 6, "faultTolerance.ecrec.r": 2}
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **spec))
-    wait_for(
-        "training to run",
-        lambda: (get_job(kube, name).get("status") or {}).get("step", 0) >= 20,
-        timeout=180,
-    )
+    run_until_training(kube, name, **{"servers.replicas": 6, "faultTolerance.ecrec.r": 2})
     shards = sorted(random.Random(11).sample(range(6), 2))
     victims = [
         pods(kube, f"ecrec.dev/job={name},ecrec.dev/role=server,ecrec.dev/shard={s}")[0]["metadata"]["name"]
@@ -316,6 +305,8 @@ def test_deleting_a_job_collects_every_pod(kube, operator):
 
 
 def run_until_training(kube, name: str, **overrides) -> None:
+    """A job that trains for at least 25 s (util.paced), once it made 20 steps: a fault then lands mid-training."""
+    overrides = {**util.paced(25, pace=20), **overrides}
     kube.kubectl("apply", "-f", "-", input=job_manifest(name, **overrides))
     wait_for(
         "training to run",
@@ -442,7 +433,9 @@ def test_a_warm_spare_pod_takes_over_a_deleted_server_pod_and_a_new_spare_is_sta
     from ecrec_operator import render
 
     name, shard = "e2e-spare", 1
-    kube.kubectl("apply", "-f", "-", input=job_manifest(name, **{"servers.spares": 1, "training.steps": 800}))
+    kube.kubectl(
+        "apply", "-f", "-", input=job_manifest(name, **{"servers.spares": 1, **util.paced(40, pace=20)})
+    )
 
     def spare_registered():
         st = get_job(kube, name).get("status") or {}

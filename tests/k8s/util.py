@@ -28,6 +28,18 @@ def wait_for(what: str, fn, timeout: float, every: float = 0.3):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+# Jobs that must still train when a fault lands are paced (training.maxStepsPerSecond), not sized for a fast
+# machine: `paced(S)` trains for at least S seconds on any machine that makes PACE steps a second, and no
+# longer than steps / its own pace on a slower one. The tiny model makes ~45 steps/s on a quiet 2-core machine,
+# ~15 beside a second control plane and Prometheus.
+PACE = 10.0
+
+
+def paced(seconds: float, pace: float = PACE) -> dict:
+    """job_manifest overrides for a job that trains for at least `seconds` at `pace` steps a second."""
+    return {"training.steps": int(seconds * pace), "training.maxStepsPerSecond": pace}
+
+
 def job_manifest(name: str, namespace: str, **spec_overrides) -> str:
     """examples/k8s-small.yaml with the tiny model, 500 steps and no spare; `spec_overrides` as dotted
     paths."""

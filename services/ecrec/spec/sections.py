@@ -117,6 +117,13 @@ class TrainingSpec(_Section):
     deterministic: bool = Field(
         default=False, description="One worker, every step waits for its push, fixed seeds and order"
     )
+    max_steps_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        description="Caps each worker's steps per second (unset: as fast as it can). For chaos drills and "
+        "tests: a job of N steps then trains for at least N / rate seconds on any machine faster than the "
+        "rate, so a fault injected after some step lands mid-training however fast the machine is",
+    )
 
 
 class ServersSpec(_Section):
