@@ -50,7 +50,7 @@ test: $(STAMP) k8s-build-for-test prometheus-for-test
 	$(BIN)/python -m pytest -q --durations=40
 
 test-fast: $(STAMP) prometheus-for-test
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not k8s"
 
 lint: $(STAMP)
 	$(BIN)/ruff check services operator tests
