@@ -13,6 +13,7 @@ from ecrec.model import (
     DLRM,
     ModelConfig,
     counter_bits,
+    counter_uniform,
     dense_numel,
     flatten_dense,
     flatten_dense_grad,
@@ -201,6 +202,22 @@ def test_counter_bits_stays_in_32_bits_and_matches_python_big_int_arithmetic(key
     h = _fmix32_ref(_fmix32_ref((key & 0xFFFFFFFF) ^ s0) ^ (key >> 32) ^ s1)
     expected = [_fmix32_ref(h ^ _fmix32_ref(((c * 0x9E3779B9) & 0xFFFFFFFF) ^ s2)) for c in range(3)]
     assert counter_bits(torch.tensor([key]), 3, seed)[0].tolist() == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(-(2**70), 2**70), dim=st.integers(1, 40), first=st.integers(0, 2**62 - 5000))
+def test_the_cpu_paths_match_the_torch_path_other_devices_take_bit_for_bit(seed: int, dim: int, first: int):
+    # On the CPU the hash runs in uint32 numpy and the rows in blocks (model._init_rows_np); a CUDA worker or
+    # server takes the int64 torch path. Every initial row must be the same number either way.
+    from ecrec.model import _counter_bits_torch, _seed_words, embedding_init_scale
+
+    ids = torch.cat([torch.arange(first, first + 4500), torch.tensor([0, 2**62, 2**32 - 1, 2**32])])
+    ref_bits = _counter_bits_torch(ids, dim, *_seed_words(seed))
+    assert torch.equal(counter_bits(ids, dim, seed), ref_bits)
+    u = ((ref_bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+    assert torch.equal(counter_uniform(ids, dim, seed), u)
+    ref_rows = ((2.0 * u - 1.0) * embedding_init_scale(dim)).to(torch.float32)
+    assert torch.equal(init_embedding_rows(ids, dim, seed), ref_rows)
 
 
 def test_model_config_offsets_rows_and_build() -> None:

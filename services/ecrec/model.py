@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -23,7 +24,7 @@ _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 
 
-# -- counter-based hashing (int64 torch ops, every intermediate < 2**63) ------------------------------------
+# -- counter-based hashing (uint32 numpy on the CPU; int64 torch elsewhere) ------------------------------
 
 
 def splitmix64(x: int) -> int:
@@ -50,14 +51,47 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    """`_fmix32` on uint32 arrays, in place: numpy's uint32 products wrap mod 2**32 by themselves."""
+    h ^= h >> 16
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> 13
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
+def _counter_bits_np(k: np.ndarray, columns: int, s0: int, s1: int, s2: int) -> np.ndarray:
+    """`counter_bits` on the CPU as uint32 [n, columns]: the same values, ~10x faster than the int64 torch
+    path (which splits every product in 16-bit halves to stay below 2**63): start-up initializes every row."""
+    lo = (k & _M32).astype(np.uint32)
+    h = _fmix32_np(lo ^ np.uint32(s0))
+    h ^= (k >> 32).astype(np.uint32) ^ np.uint32(s1)  # (k >> 32) & M32 == the pattern's high word
+    h = _fmix32_np(h)
+    cols = np.arange(columns, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    col_key = _fmix32_np(cols ^ np.uint32(s2))
+    return _fmix32_np(h[:, None] ^ col_key[None, :])
+
+
+def _seed_words(seed: int) -> tuple[int, int, int]:
+    s = splitmix64(seed)
+    return s & _M32, (s >> 32) & _M32, splitmix64(s) & _M32
+
+
 def counter_bits(keys: Tensor, columns: int, seed: int) -> Tensor:
     """[n] int64 keys -> [n, columns] int64 hash values in [0, 2**32), a pure function of (key, column, seed).
 
     Keys are read as 64-bit patterns (ids up to 2**63 are distinct inputs); works on any device.
     """
-    s = splitmix64(seed)
-    s0, s1, s2 = s & _M32, (s >> 32) & _M32, splitmix64(s) & _M32
+    s0, s1, s2 = _seed_words(seed)
     k = keys.to(torch.int64).reshape(-1)
+    if k.device.type == "cpu":
+        return torch.from_numpy(_counter_bits_np(k.numpy(), columns, s0, s1, s2).astype(np.int64))
+    return _counter_bits_torch(k, columns, s0, s1, s2)
+
+
+def _counter_bits_torch(k: Tensor, columns: int, s0: int, s1: int, s2: int) -> Tensor:
+    """`counter_bits` in int64 torch ops on any device (every intermediate < 2**63)."""
     h = _fmix32((k & _M32) ^ s0)
     h = _fmix32(h ^ ((k >> 32) & _M32) ^ s1)
     cols = torch.arange(columns, dtype=torch.int64, device=k.device)
@@ -67,6 +101,10 @@ def counter_bits(keys: Tensor, columns: int, seed: int) -> Tensor:
 
 def counter_uniform(keys: Tensor, columns: int, seed: int) -> Tensor:
     """[n] int64 keys -> [n, columns] float64 uniforms in the open interval (0, 1), see `counter_bits`."""
+    k = keys.to(torch.int64).reshape(-1)
+    if k.device.type == "cpu":
+        bits = _counter_bits_np(k.numpy(), columns, *_seed_words(seed)) >> np.uint32(8)
+        return torch.from_numpy((bits.astype(np.float64) + 0.5) / float(1 << 24))
     bits = counter_bits(keys, columns, seed) >> 8  # 24 bits: plenty, and exact in float64
     return (bits.to(torch.float64) + 0.5) / float(1 << 24)
 
@@ -223,8 +261,26 @@ def init_embedding_rows(global_ids: Tensor, dim: int, seed: int) -> Tensor:
 
     A pure function of (global id, column, seed) via `counter_uniform`, on the ids' device; ids up to 2**62.
     """
-    u = counter_uniform(global_ids, dim, seed)
+    k = global_ids.to(torch.int64).reshape(-1)
+    if k.device.type == "cpu":
+        return torch.from_numpy(_init_rows_np(k.numpy(), dim, seed))
+    u = counter_uniform(k, dim, seed)
     return ((2.0 * u - 1.0) * embedding_init_scale(dim)).to(torch.float32)
+
+
+def _init_rows_np(k: np.ndarray, dim: int, seed: int, block: int = 4096) -> np.ndarray:
+    """`init_embedding_rows` on the CPU, bit for bit, in cache-sized blocks (start-up initializes every row: a
+    float64 temporary of the whole table cost more than the hash). With b the 24 hash bits, 2u - 1 is
+    (2b + 1 - 2**24) / 2**24 exactly, and scaling by a power of two is exact: the one float64 rounding of the
+    product, then the one to float32, are those of the reference's expression."""
+    words = _seed_words(seed)
+    c = embedding_init_scale(dim) / float(1 << 24)
+    out = np.empty((k.shape[0], dim), np.float32)
+    for lo in range(0, k.shape[0], block):
+        b = _counter_bits_np(k[lo : lo + block], dim, *words) >> np.uint32(8)
+        m = b.view(np.int32) * np.int32(2) + np.int32(1 - (1 << 24))
+        out[lo : lo + block] = m * c
+    return out
 
 
 # -- the shape of a job's model ---------------------------------------------------------------------------

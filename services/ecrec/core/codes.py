@@ -57,7 +57,9 @@ class XorCode(Code):
         return x.contiguous().view(torch.int32)
 
     def _xor_all(self, members: torch.Tensor) -> torch.Tensor:
-        bits = self._bits(members)
+        # A same-size dtype view needs no contiguous copy: members are often a transposed view of [n, m, W]
+        # (start-up's initial parity), and copying them cost more than the xor.
+        bits = members.view(torch.int32)
         out = torch.zeros(bits.shape[1:], dtype=torch.int32, device=bits.device)
         for m in bits:  # m is small (k): the loop is over stripe slots, each step vectorized over rows
             out ^= m

@@ -139,9 +139,10 @@ class StoreState:
         )
         # -- parity records -----------------------------------------------------------------------------
         n_par = p.r * p.parity_rows_on(shard)  # parity index j·B + block (Placement.parity_index)
-        parity = torch.zeros(n_par, ctx.record_width)
         if n_par and not replacement:
             parity = self._encode_initial_parity(n_par, seed)
+        else:
+            parity = torch.zeros(n_par, ctx.record_width)
         self.parity = ParityParticipant(
             shard,
             p,
@@ -211,23 +212,28 @@ class StoreState:
     # ---------------------------------------------------------------------------------------------------
     # initialization
     def _init_records(self, g: torch.Tensor, seed: int) -> torch.Tensor:
-        out = torch.empty(g.numel(), self.ctx.record_width, dtype=torch.float32)
+        """The initial records of rows `g`: `opt.init_records` of their initial rows (optimizer state 0), written
+        in place block by block (a whole table's temporaries cost more than the rows' hash)."""
+        out = torch.zeros(g.numel(), self.ctx.record_width, dtype=torch.float32)
         for lo in range(0, g.numel(), INIT_BLOCK_ROWS):
             hi = min(g.numel(), lo + INIT_BLOCK_ROWS)
-            out[lo:hi] = self.opt.init_records(init_embedding_rows(g[lo:hi], self.dim, seed))
+            out[lo:hi, : self.dim] = init_embedding_rows(g[lo:hi], self.dim, seed)
         return out
 
     def _encode_initial_parity(self, n_par: int, seed: int) -> torch.Tensor:
         """Parity of the initial records, computed locally: initial rows are a pure function of global id."""
-        p, out = self.placement, torch.empty(n_par, self.ctx.record_width)
+        p, out, W = self.placement, torch.empty(n_par, self.ctx.record_width), self.ctx.record_width
         blocks = p.parity_rows_on(self.shard)
+        # One buffer of members for every block: fresh ones per block cost more in page faults than the xor.
+        buf = torch.empty(min(blocks, INIT_BLOCK_ROWS) * p.k, W)
         for j, lo in itertools.product(range(p.r), range(0, blocks, INIT_BLOCK_ROWS)):
             block = torch.arange(lo, min(blocks, lo + INIT_BLOCK_ROWS))
             shards, locals_, present = p.stripe_members(self.shard, block, j)
             g = p.global_id(shards.reshape(-1), locals_.reshape(-1))
-            recs = torch.zeros(g.numel(), self.ctx.record_width)
             mask = present.reshape(-1)
-            recs[mask] = self._init_records(g[mask], seed)
+            recs = buf[: g.numel()].zero_()
+            # optimizer state 0 (opt.init_records); absent members 0
+            recs[:, : self.dim][mask] = init_embedding_rows(g[mask], self.dim, seed)
             members = recs.view(block.numel(), p.k, -1).transpose(0, 1)
             out[p.parity_index(j, block)] = (
                 self.code.encode(members, j) if p.r == 2 else self.code.encode(members)
