@@ -557,10 +557,12 @@ def run_local(
             )
         }
         client = PSClient(ctx, cluster.coordinator.cluster())
+        checks_began = time.monotonic()
         try:  # evaluation, the digest, the parity check (posted for the coordinator's /metrics), ...
             found = finalchecks.check(client, coordinator=cluster.coordinator, report=True)
         finally:
             client.close()
+        extra["final_checks_s"] = round(time.monotonic() - checks_began, 3)
         ev, digest, data = found.eval, found.params_sha256, found.data
         if ctx.ecrec:
             extra["parity_check"] = found.parity_check

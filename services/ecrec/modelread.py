@@ -22,23 +22,27 @@ from ecrec.wire import ids_to_bytes
 READ_PAGE_ROWS = 1 << 18
 
 
-def read_records(client: PSClient, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
-    """Every record of one kind on one server (DATA, PARITY, or DENSE chunk `chunk`), page by page."""
-    pages, start, width = [], 0, client.ctx.record_width
+def record_pages(client: PSClient, shard: int, kind: int, chunk: int = 0):
+    """(first record, records [n, W]) of every page of one kind on one server (DATA, PARITY, or DENSE chunk
+    `chunk`). Each page is a read-only view of its answer's bytes: the caller copies it where it goes."""
+    start = 0
     while True:
         req = pb.ReadRecordsRequest(
             epoch=client.epoch, kind=kind, start=start, count=READ_PAGE_ROWS, chunk=chunk
         )
         resp = client.result(shard, "ReadRecords", client.call(shard, "ReadRecords", req))
-        width = resp.width or width
         if resp.count:
-            pages.append(
-                torch.frombuffer(resp.records, dtype=torch.float32).view(resp.count, resp.width).clone()
-            )
+            yield start, torch.frombuffer(resp.records, dtype=torch.float32).view(resp.count, resp.width)
+        elif start == 0:  # nothing there: an empty page still says the records' width
+            yield start, torch.empty(0, resp.width)
         start += resp.count
         if resp.count < READ_PAGE_ROWS:
-            break
-    return torch.cat(pages) if pages else torch.empty(0, width)
+            return
+
+
+def read_records(client: PSClient, shard: int, kind: int, chunk: int = 0) -> torch.Tensor:
+    """Every record of one kind on one server (DATA, PARITY, or DENSE chunk `chunk`), page by page."""
+    return torch.cat([page for _start, page in record_pages(client, shard, kind, chunk)])
 
 
 def all_row_records(client: PSClient) -> torch.Tensor:
@@ -49,8 +53,8 @@ def all_row_records(client: PSClient) -> torch.Tensor:
     full = torch.zeros(per * n, ctx.record_width, dtype=torch.float32)
     grid = full.view(per, n, ctx.record_width)
     for s in range(n):
-        recs = read_records(client, s, pb.DATA)
-        grid[: recs.shape[0], s] = recs
+        for start, page in record_pages(client, s, pb.DATA):  # each page straight to its rows
+            grid[start : start + page.shape[0], s] = page
     return full[: p.num_rows]
 
 
@@ -96,8 +100,9 @@ def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[tor
         index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
         req = pb.ReadRowsRequest(epoch=client.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
         resp = client.result(server, "ReadRows", client.call(server, "ReadRows", req))
-        recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1).clone())
-        vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1).clone())
+        # read-only views of the answers' bytes: torch.cat below copies them once
+        recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1))
+        vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1))
     if not recs:
         return torch.empty(0, client.ctx.record_width), torch.empty(0, 1, dtype=torch.int64)
     return torch.cat(recs), torch.cat(vers)

@@ -55,11 +55,12 @@ class Recovery(StoreState):
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
                 if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
                     self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
+                # (a gather by an index tensor is a copy already: nothing here aliases the table)
                 records, versions = self.rows.records[index], self.rows.versions[index]
                 if as_of is None:
-                    return ReadResult(records.clone(), versions.clone())
+                    return ReadResult(records, versions)
                 if not (self.logged and self.code.exact):
-                    return ReadResult(records.clone(), torch.where(versions == as_of, versions, -1))
+                    return ReadResult(records, torch.where(versions == as_of, versions, -1))
                 return ReadResult(*self.deltalog.roll_back(index, records, versions, as_of, self.placement.k))
         n_par = self.parity.parity.shape[0]
         if not in_range(index, n_par):
