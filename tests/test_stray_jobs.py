@@ -124,7 +124,7 @@ def test_fuzzed_stray_requests_change_nothing(tmp_path, baseline):
 def test_more_than_r_servers_killed_at_once_fails_the_job_with_the_reason(tmp_path):
     ctx = det_ctx("two-kills", training__steps=100000)
     with pytest.raises(JobFailed) as err:
-        run_local(ctx, tmp_path, progress=False, kills=[(1, 1.0), (2, 1.0)])
+        run_local(ctx, tmp_path, progress=False, kills=[(1, "step:10"), (2, "step:10")])
     reason = str(err.value)
     assert "servers lost at once, more than r=1" in reason, reason
     assert "shards 1 (" in reason and "2 (" in reason and "stripes lost" in reason
@@ -137,7 +137,7 @@ def test_a_third_server_lost_with_r2_fails_the_job_naming_the_three_shards(tmp_p
     """r = 2 survives two servers lost at once (tests/test_ecrec.py); a third lost with them cannot be rebuilt."""
     ctx = det_ctx("three-kills", training__steps=100000, servers__replicas=6, faultTolerance__ecrec__r=2)
     with pytest.raises(JobFailed) as err:
-        run_local(ctx, tmp_path, progress=False, kills=[(1, 1.0), (2, 1.0), (3, 1.0)])
+        run_local(ctx, tmp_path, progress=False, kills=[(1, "step:10"), (2, "step:10"), (3, "step:10")])
     reason = str(err.value)
     assert "3 servers lost at once, more than r=2" in reason, reason
     assert all(f"{s} (" in reason for s in (1, 2, 3)) and "stripes lost" in reason
