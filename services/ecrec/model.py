@@ -101,10 +101,6 @@ def _counter_bits_torch(k: Tensor, columns: int, s0: int, s1: int, s2: int) -> T
 
 def counter_uniform(keys: Tensor, columns: int, seed: int) -> Tensor:
     """[n] int64 keys -> [n, columns] float64 uniforms in the open interval (0, 1), see `counter_bits`."""
-    k = keys.to(torch.int64).reshape(-1)
-    if k.device.type == "cpu":
-        bits = _counter_bits_np(k.numpy(), columns, *_seed_words(seed)) >> np.uint32(8)
-        return torch.from_numpy((bits.astype(np.float64) + 0.5) / float(1 << 24))
     bits = counter_bits(keys, columns, seed) >> 8  # 24 bits: plenty, and exact in float64
     return (bits.to(torch.float64) + 0.5) / float(1 << 24)
 
