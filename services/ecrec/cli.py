@@ -348,6 +348,25 @@ def cmd_bench_recovery(args) -> int:
     return 0
 
 
+def cmd_bench_scale(args) -> int:
+    from ecrec.scalebench import bench_scale, parse_scales
+
+    try:
+        scales = parse_scales(args.scales)
+    except ValueError as e:
+        raise SystemExit(f"ecrec bench scale: {e}") from None
+    if args.rounds < 1:
+        raise SystemExit("ecrec bench scale: --rounds must be at least 1")
+    kill_step = args.kill_step if args.kill_step is not None else args.steps // 3
+    if not 1 <= kill_step < args.steps:
+        raise SystemExit(
+            f"ecrec bench scale: --kill-step {kill_step}: a step in [1, --steps {args.steps}): the kill lands "
+            "mid-training"
+        )
+    bench_scale(args.job, scales, args.steps, kill_step, args.set or [], Path(args.out), rounds=args.rounds)
+    return 0
+
+
 def cmd_bench_paper(args) -> int:
     from ecrec.paperbench import bench_paper
 
@@ -673,6 +692,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="out/bench-recovery")
     p.set_defaults(fn=cmd_bench_recovery)
+
+    p = bench.add_parser(
+        "scale",
+        help="tables x1/x8/x64: No FT and ECRec throughput, a server killed (ECRec recovery, Ckpt short "
+        "restore), server memory per record",
+    )
+    p.add_argument("--job", default="examples/local-small.yaml")
+    p.add_argument("--scales", default="1,8,64", help="model.scale values, comma-separated (default 1,8,64)")
+    p.add_argument("--steps", type=int, default=300, help="training steps per worker")
+    p.add_argument(
+        "--kill-step",
+        type=int,
+        default=None,
+        help="SIGKILL server 2 once training reached this step (default: a third of --steps)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="rounds in alternating order; medians reported")
+    p.add_argument("--set", action="append", metavar="PATH=VALUE")
+    p.add_argument("--out", default="out/bench-scale", help="summary.json and each job's report go here")
+    p.set_defaults(fn=cmd_bench_scale)
 
     p = bench.add_parser(
         "fuzz", help="stray requests against a live deterministic job: they must change nothing"

@@ -17,7 +17,13 @@ from ecrec.client import PSClient, evaluate
 from ecrec.coordinator.client import CoordinatorClient
 from ecrec.coordinator.contract import ParityCheck
 from ecrec.data import DataSource
-from ecrec.modelread import dense_replica_mismatches, params_sha256, parity_check, staged_counts
+from ecrec.modelread import (
+    data_tables,
+    dense_replica_mismatches,
+    params_sha256,
+    parity_check,
+    staged_counts,
+)
 from ecrec.worker import data_source
 
 EVAL_BATCH = 4096
@@ -44,10 +50,12 @@ def check(client: PSClient, *, coordinator: CoordinatorClient | None = None, rep
         wait_settled(client, ctx.spec.fault_tolerance.ecrec.txn_timeout_seconds)
     data = data_source(ctx)
     found = Found(evaluate(client, data.eval_batches(EVAL_BATCH)), data)
+    # The digest and the parity check's first round read the same data records: read them once.
+    tables = data_tables(client) if ctx.ecrec and report else None
     if report:
-        found.params_sha256 = params_sha256(client)
+        found.params_sha256 = params_sha256(client, None if tables is None else [t[0] for t in tables])
     if ctx.ecrec:
-        found.parity_check = parity_check(client)
+        found.parity_check = parity_check(client, data=tables)
         if coordinator is not None:  # for the coordinator's /metrics
             coordinator.record_parity_check(ParityCheck(**found.parity_check))
         if report:

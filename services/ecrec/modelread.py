@@ -16,6 +16,7 @@ import torch
 
 from ecrec.client import PSClient
 from ecrec.core.codes import make_code
+from ecrec.core.ranges import members_by_slot
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.wire import ids_to_bytes
 
@@ -45,14 +46,18 @@ def read_records(client: PSClient, shard: int, kind: int, chunk: int = 0) -> tor
     return torch.cat([page for _start, page in record_pages(client, shard, kind, chunk)])
 
 
-def all_row_records(client: PSClient) -> torch.Tensor:
-    """Every embedding row record in global row order: [G, W]."""
+def all_row_records(client: PSClient, tables: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Every embedding row record in global row order: [G, W]. `tables`: each server's data records, read
+    already (`data_tables`)."""
     ctx, p = client.ctx, client.ctx.placement
     n = ctx.num_servers
     per = -(-p.num_rows // n)
     full = torch.zeros(per * n, ctx.record_width, dtype=torch.float32)
     grid = full.view(per, n, ctx.record_width)
     for s in range(n):
+        if tables is not None:
+            grid[: tables[s].shape[0], s] = tables[s]
+            continue
         for start, page in record_pages(client, s, pb.DATA):  # each page straight to its rows
             grid[start : start + page.shape[0], s] = page
     return full[: p.num_rows]
@@ -66,10 +71,11 @@ def all_dense_records(client: PSClient) -> torch.Tensor:
     )
 
 
-def params_sha256(client: PSClient) -> str:
-    """Hash of the whole logical model, independent of the number of servers and of placement."""
+def params_sha256(client: PSClient, tables: list[torch.Tensor] | None = None) -> str:
+    """Hash of the whole logical model, independent of the number of servers and of placement. `tables`:
+    each server's data records, read already."""
     h = hashlib.sha256()
-    for t in (all_row_records(client), all_dense_records(client)):
+    for t in (all_row_records(client, tables), all_dense_records(client)):
         h.update(t.contiguous().numpy().data)
     return h.hexdigest()
 
@@ -108,33 +114,42 @@ def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[tor
     return torch.cat(recs), torch.cat(vers)
 
 
-def parity_check(client: PSClient, rounds: int = 5) -> dict:
+def data_tables(client: PSClient) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every server's data records with their versions ([rows_on(s), W], [rows_on(s)])."""
+    p = client.ctx.placement
+    out = []
+    for s in range(client.ctx.num_servers):
+        recs, vers = read_versions(client, s, pb.DATA, p.rows_on(s))
+        out.append((recs, vers.view(-1)))
+    return out
+
+
+def parity_check(
+    client: PSClient, rounds: int = 5, data: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> dict:
     """Invariant I1: every parity record equals the encoding of its stripe's members, entries and optimizer
     state (bit-exact for xor). Works on a running job: a stripe whose member versions differ from those its
-    parity reflects has a commit in flight and is checked again in the next round."""
+    parity reflects has a commit in flight and is checked again in the next round. `data`: the first round's
+    `data_tables`, read already."""
     ctx, p = client.ctx, client.ctx.placement
     if any(client.failed(s) or client.states.get(s) == "recovering" for s in range(ctx.num_servers)):
         raise RuntimeError("parity check needs every server up (a shard is failed or recovering)")
     code = make_code(ctx.spec.fault_tolerance.ecrec.code, p.r, p.k)
     pending = {s: None for s in range(ctx.num_servers)}  # parity server -> parity indices still to check
     stripes = mismatches = 0
-    for _round in range(rounds):
-        data = [read_versions(client, s, pb.DATA, p.rows_on(s)) for s in range(ctx.num_servers)]
+    for attempt in range(rounds):
+        if data is None or attempt:
+            data = data_tables(client)
         for server in list(pending):
             parity, pver = read_versions(client, server, pb.PARITY, p.r * p.parity_rows_on(server))
             index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
             js, blocks = p.parity_slot(index)  # (r = 2: P's records, then Q's, of different stripes)
             expected = torch.empty(index.numel(), ctx.record_width)
-            mvers = torch.zeros(index.numel(), p.k, dtype=torch.int64)
+            mvers = torch.empty(index.numel(), p.k, dtype=torch.int64)
             for j in js.unique().tolist():
                 at = (js == j).nonzero().squeeze(1)
-                shards, locs, present = p.stripe_members(server, blocks[at], j)
-                members = torch.zeros(p.k, at.numel(), ctx.record_width)
-                for s in shards.unique().tolist():
-                    sel = present & (shards == s)
-                    ri, sj = sel.nonzero(as_tuple=True)
-                    members[sj, ri] = data[s][0][locs[ri, sj]]
-                    mvers[at[ri], sj] = data[s][1][locs[ri, sj]].view(-1)
+                members = members_by_slot(p, server, j, [recs for recs, _v in data])[:, blocks[at]]
+                mvers[at] = members_by_slot(p, server, j, [v for _r, v in data])[:, blocks[at]].T
                 expected[at] = code.encode(members, j) if p.r == 2 else code.encode(members)
             settled = (mvers == pver[index]).all(dim=1)
             got = parity[index]

@@ -148,20 +148,17 @@ class GrpcPeers:
                 resp = fut.result()
             except grpc.RpcError as e:
                 raise PeerFailed(server, f"{e.code().name}: {e.details()}") from e
-            self.metrics.of(self.metrics.bytes_sent, kind="recovery").inc(len(resp.records))
-            recs = bytes_to_floats(resp.records, n, len(resp.records) // (4 * n) if n else 0).clone()
-            vers = (
-                torch.frombuffer(resp.versions, dtype=torch.int64).clone()
-                if n
-                else torch.empty(0, dtype=torch.int64)
-            )
+            # Each access to a bytes field copies it out of the message: take each once, and keep the views
+            # (they hold the bytes alive; decodes and encodes only read them, into tensors of their own).
+            records, versions = resp.records, resp.versions
+            self.metrics.of(self.metrics.bytes_sent, kind="recovery").inc(len(records))
+            recs = bytes_to_floats(records, n, len(records) // (4 * n) if n else 0)
+            vers = bytes_to_ids(versions, "versions")
             ready = None
             if kind == "parity":
                 vers = vers.view(n, -1)
                 ready = (
-                    torch.frombuffer(resp.ready, dtype=torch.bool).clone()
-                    if n
-                    else torch.empty(0, dtype=torch.bool)
+                    torch.frombuffer(resp.ready, dtype=torch.bool) if n else torch.empty(0, dtype=torch.bool)
                 )
             out.append(ReadResult(recs, vers, ready))
         return out

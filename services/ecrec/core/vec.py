@@ -43,3 +43,15 @@ def in_range(x: torch.Tensor, n: int) -> bool:
         return True
     lo, hi = torch.aminmax(x)
     return int(lo) >= 0 and int(hi) < n
+
+
+def as_range(x: torch.Tensor) -> tuple[int, int] | None:
+    """(lo, hi) where 1-D integer `x` is exactly lo, lo + 1, ..., hi − 1 (a slice then reads it: a copy of
+    contiguous memory instead of a gather), else None."""
+    n = x.numel()
+    if n == 0:
+        return None
+    lo, hi = int(x[0]), int(x[-1]) + 1
+    if hi - lo != n or (n > 1 and not bool((x[1:] > x[:-1]).all())):
+        return None
+    return lo, hi

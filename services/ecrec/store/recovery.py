@@ -21,14 +21,16 @@ import time
 
 import torch
 
+from ecrec.core.ranges import RangeDecode
 from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode, StripesLost
-from ecrec.core.vec import in_range
+from ecrec.core.vec import as_range, in_range
 from ecrec.faults import fault_point
 from ecrec.store.peers import PeerFailed
 from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
 from ecrec.wire import InvalidRequest
 
 CONSISTENT_READ_TRIES = 200
+RANGE_MIN_ROWS = 256  # a lock group this large and dense decodes as a range (RangeDecode)
 log = logging.getLogger("ecrec.server")
 
 
@@ -55,8 +57,12 @@ class Recovery(StoreState):
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
                 if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
                     self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
-                # (a gather by an index tensor is a copy already: nothing here aliases the table)
-                records, versions = self.rows.records[index], self.rows.versions[index]
+                span = as_range(index)
+                if span is not None:  # a rebuild's range read: a copy of the slice
+                    records = self.rows.records[span[0] : span[1]].clone()
+                    versions = self.rows.versions[span[0] : span[1]].clone()
+                else:  # (a gather by an index tensor is a copy already: nothing here aliases the table)
+                    records, versions = self.rows.records[index], self.rows.versions[index]
                 if as_of is None:
                     return ReadResult(records, versions)
                 if not (self.logged and self.code.exact):
@@ -84,11 +90,16 @@ class Recovery(StoreState):
                     # The rebuild retries; the same wait every time is the sign of an update lost for good.
                     log.warning("a rebuild's read waited in vain: %s", self._undecided_why(src, index))
                     raise
-            return ReadResult(
-                self.parity.parity[index].clone(),
-                self.parity.pver[index].clone(),
-                self.parity.ready[index].clone(),
-            )
+            span = as_range(index)
+            if span is not None:  # a rebuild's range read: a copy of the slice
+                lo, hi = span
+                return ReadResult(
+                    self.parity.parity[lo:hi].clone(),
+                    self.parity.pver[lo:hi].clone(),
+                    self.parity.ready[lo:hi].clone(),
+                )
+            # (gathers by an index tensor: copies already)
+            return ReadResult(self.parity.parity[index], self.parity.pver[index], self.parity.ready[index])
 
     def _undecided_why(self, src: int, index: torch.Tensor) -> str:
         """What `_undecided_from` waits for, in words (for the log). (Needs `lock`.)"""
@@ -289,7 +300,7 @@ class Recovery(StoreState):
             self.rows.locks.lock(group, todo)
             loads = self.loads
         try:
-            recs, vers = self.decode_rows(self.shard, todo)
+            recs, vers = self._decode_own(todo)
             if self.placement.r == 2:  # both parity records to the union of the lost rows' prefixes
                 recs, vers = self._align_rebuilt(todo, recs, vers)
             fault_point("recover:mid_group")
@@ -308,6 +319,31 @@ class Recovery(StoreState):
                 self.cond.notify_all()
         fault_point("recover:after_group")
         return todo.numel()
+
+    def _decode_own(self, todo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replacement's rows `todo`, decoded: a lock group's range in bulk (RangeDecode) where it
+        applies; otherwise, and for rows its reads caught mid-commit, by `decode_rows`."""
+        lo, hi = int(todo.min()), int(todo.max()) + 1
+        plan = None
+        if todo.numel() >= RANGE_MIN_ROWS and hi - lo <= 2 * todo.numel():
+            down = {s for s in range(self.ctx.num_servers) if s != self.shard and self.peers.is_failed(s)}
+            plan = RangeDecode.plan(self.placement, self.shard, lo, hi, self.shard, down)
+        if plan is None:
+            return self.decode_rows(self.shard, todo)
+        try:
+            recs, vers, ok = plan.decode(self.code, self.ctx.record_width, self._read_many(plan.reads))
+        except (SecondFailure, PeerFailed):  # decode_rows reads around what it can and says what it cannot
+            return self.decode_rows(self.shard, todo)
+        at = todo - lo
+        recs, vers, ok = recs[at], vers[at], ok[at]
+        if not self.code.exact:  # rounding may leave state outside its domain (as in decode_rows)
+            recs = self.opt.project(recs, self.dim)
+        if self.tap is not None:
+            self.tap.decoded(self.shard, todo[ok], vers[ok], recs[ok])
+        if not bool(ok.all()):
+            again = (~ok).nonzero().squeeze(1)
+            recs[again], vers[again] = self.decode_rows(self.shard, todo[again])
+        return recs, vers
 
     def rebuild_parity(self, index: torch.Tensor) -> int:
         """Re-encode parity records from their members' current records (versions make the cut exact)."""
