@@ -211,10 +211,8 @@ def test_store_counters_are_exposed_in_prometheus_format(served):
     assert fams["ecrec_server_staged"].samples[0].value == 0
 
 
-def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
-    from ecrec.client import PSClient
-    from ecrec.modelread import parity_check
-
+def ecrec_cluster():
+    """Five ECRec servers over gRPC: (ctx, stores, servers, the map's shards)."""
     ctx = make_ctx(servers__replicas=5, faultTolerance__strategy="ecrec", faultTolerance__ecrec__k=4)
     stores, servers, shards = [], [], []
     for s in range(5):
@@ -223,6 +221,43 @@ def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
         stores.append(store)
         servers.append(server)
         shards.append({"shard": s, "address": f"127.0.0.1:{port}", "state": "up"})
+    return ctx, stores, servers, shards
+
+
+def test_a_server_s_reads_go_as_one_message_and_are_answered_in_order():
+    from ecrec.core.stripes import Read
+    from ecrec.server import GrpcPeers
+
+    ctx, stores, servers, shards = ecrec_cluster()
+    peers = GrpcPeers(ClusterView(snapshot={"epoch": 1, "shards": shards}), 0, Metrics("t", "server", "0"))
+    sent = []
+    call = peers._call
+    peers._call = lambda server, method, *a, **k: (
+        sent.append((server, method)) or call(server, method, *a, **k)
+    )
+    reads = [
+        Read(2, "parity", torch.tensor([3, 1])),
+        Read(3, "data", torch.arange(5, 9)),
+        Read(2, "data", torch.tensor([7, 0, 4])),
+        Read(2, "data", torch.arange(2, 6)),  # a range: served as a slice
+    ]
+    try:
+        got = peers.read_rows(reads, 1)
+        assert sorted(sent) == [(2, "ReadMany"), (3, "ReadRows")]
+        for r, res in zip(reads, got, strict=True):
+            want = stores[r.server].read_rows(r.kind, r.index)
+            assert torch.equal(res.records, want.records) and torch.equal(res.versions, want.versions)
+            assert (res.ready is None) == (r.kind == "data")
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_parity_check_over_grpc_catches_a_corrupted_parity_record():
+    from ecrec.client import PSClient
+    from ecrec.modelread import parity_check
+
+    ctx, stores, servers, shards = ecrec_cluster()
     client = PSClient(ctx, {"epoch": 1, "shards": shards})
     try:
         clean = parity_check(client)

@@ -388,6 +388,14 @@ def test_out_of_range_shards_and_chunks_are_invalid_argument_not_unknown(served)
         lambda: served.stub.ReadRows(
             pb.ReadRowsRequest(kind=pb.DATA, index=ids_to_bytes(torch.tensor([0])), as_of=b"\x01")
         ),
+        lambda: served.stub.ReadMany(  # one bad read refuses them all
+            pb.ReadManyRequest(
+                reads=[
+                    pb.ReadRowsRequest(kind=pb.DATA, index=ids_to_bytes(torch.tensor([0]))),
+                    pb.ReadRowsRequest(kind=pb.PARITY, index=ids_to_bytes(torch.tensor([0])), src=42),
+                ]
+            )
+        ),
         lambda: served.stub.CopyDense(pb.CopyDenseRequest(chunk=2**31)),
         lambda: served.stub.Stage(pb.StageRequest(epoch=served.epoch, txn="w0-1/1.9.0", ids=g, src=9)),
         lambda: served.stub.ReadRecords(pb.ReadRecordsRequest(kind=7)),

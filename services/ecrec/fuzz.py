@@ -45,6 +45,7 @@ GRPC_METHODS = (
     "DecideMany",
     "Outcome",
     "ReadRows",
+    "ReadMany",
     "DegradedPull",
     "Recover",
     "CopyDense",
@@ -90,6 +91,15 @@ class Fuzzer:
     def _shard_id(self) -> int:
         return self.rng.choice(
             [-7, -1, self.ctx.num_servers, self.ctx.num_servers + 9, *range(self.ctx.num_servers)]
+        )
+
+    def _read(self, epoch: int) -> pb.ReadRowsRequest:
+        r = self.rng
+        return pb.ReadRowsRequest(
+            epoch=epoch,
+            kind=r.choice([0, 1, 2, 9]),
+            index=ids_to_bytes(torch.randint(-3, 50, (r.randint(0, 8),))),
+            src=self._shard_id(),
         )
 
     def _ids(self, shard: int, bad: bool) -> bytes:
@@ -201,12 +211,9 @@ class Fuzzer:
                 ],
             )
         if method == "ReadRows":
-            return pb.ReadRowsRequest(
-                epoch=ep(),
-                kind=r.choice([0, 1, 2, 9]),
-                index=ids_to_bytes(torch.randint(-3, 50, (r.randint(0, 8),))),
-                src=self._shard_id(),
-            )
+            return self._read(ep())
+        if method == "ReadMany":
+            return pb.ReadManyRequest(epoch=ep(), reads=[self._read(ep()) for _ in range(r.randint(0, 3))])
         if method == "DegradedPull":
             return pb.DegradedPullRequest(epoch=ep(), src=self._shard_id(), ids=self._ids(shard, bad))
         if method == "Recover":

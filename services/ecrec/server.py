@@ -129,39 +129,54 @@ class GrpcPeers:
         return self._gather([(s, self._call(s, "DecideDeltas", req)) for s in servers])
 
     def read_rows(self, requests, epoch: int) -> list[ReadResult]:
+        """The reads, one message per server (ReadMany where a server has several), answered in order."""
+        by_server: dict[int, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_server.setdefault(r.server, []).append(i)
         calls = []
-        for r in requests:
-            req = pb.ReadRowsRequest(
-                epoch=epoch,
-                kind=pb.PARITY if r.kind == "parity" else pb.DATA,
-                index=ids_to_bytes(r.index),
-                src=r.src,
-            )
-            if r.as_of is not None:  # optional: present only when asked
-                req.as_of = ids_to_bytes(r.as_of)
-            calls.append(
-                (r.server, r.kind, r.index.numel(), self._call(r.server, "ReadRows", req, timeout=60.0))
-            )
-        out = []
-        for server, kind, n, fut in calls:
+        for server, at in by_server.items():
+            reads = [self._read_request(requests[i], epoch) for i in at]
+            if len(reads) == 1:
+                calls.append((server, at, self._call(server, "ReadRows", reads[0], timeout=60.0)))
+            else:
+                req = pb.ReadManyRequest(epoch=epoch, reads=reads)
+                calls.append((server, at, self._call(server, "ReadMany", req, timeout=60.0)))
+        out: list[ReadResult | None] = [None] * len(requests)
+        for server, at, fut in calls:
             try:
                 resp = fut.result()
             except grpc.RpcError as e:
                 raise PeerFailed(server, f"{e.code().name}: {e.details()}") from e
-            # Each access to a bytes field copies it out of the message: take each once, and keep the views
-            # (they hold the bytes alive; decodes and encodes only read them, into tensors of their own).
-            records, versions = resp.records, resp.versions
-            self.metrics.of(self.metrics.bytes_sent, kind="recovery").inc(len(records))
-            recs = bytes_to_floats(records, n, len(records) // (4 * n) if n else 0)
-            vers = bytes_to_ids(versions, "versions")
-            ready = None
-            if kind == "parity":
-                vers = vers.view(n, -1)
-                ready = (
-                    torch.frombuffer(resp.ready, dtype=torch.bool) if n else torch.empty(0, dtype=torch.bool)
-                )
-            out.append(ReadResult(recs, vers, ready))
-        return out
+            answers = resp.reads if len(at) > 1 else [resp]
+            for i, answer in zip(at, answers, strict=True):
+                r = requests[i]
+                out[i] = self._read_result(r.kind, r.index.numel(), answer)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _read_request(r, epoch: int):
+        req = pb.ReadRowsRequest(
+            epoch=epoch,
+            kind=pb.PARITY if r.kind == "parity" else pb.DATA,
+            index=ids_to_bytes(r.index),
+            src=r.src,
+        )
+        if r.as_of is not None:  # optional: present only when asked
+            req.as_of = ids_to_bytes(r.as_of)
+        return req
+
+    def _read_result(self, kind: str, n: int, resp) -> ReadResult:
+        # Each access to a bytes field copies it out of the message: take each once, and keep the views (they
+        # hold the bytes alive; decodes and encodes only read them, into tensors of their own).
+        records, versions = resp.records, resp.versions
+        self.metrics.of(self.metrics.bytes_sent, kind="recovery").inc(len(records))
+        recs = bytes_to_floats(records, n, len(records) // (4 * n) if n else 0)
+        vers = bytes_to_ids(versions, "versions")
+        ready = None
+        if kind == "parity":
+            vers = vers.view(n, -1)
+            ready = torch.frombuffer(resp.ready, dtype=torch.bool) if n else torch.empty(0, dtype=torch.bool)
+        return ReadResult(recs, vers, ready)
 
     def dense_copy(self, server: int, chunk: int, epoch: int):
         try:
@@ -263,6 +278,26 @@ def delta_batch(request: pb.DeltaRequest, parity_server: int, width: int) -> Del
         request.via if request.HasField("via") else -1,
         base,
     )
+
+
+def read_into(store, request: pb.ReadRowsRequest, resp: pb.ReadRowsResponse) -> pb.ReadRowsResponse:
+    """Serve one read (ReadRows, or one of a ReadMany) into `resp`: its bytes are copied into the message once."""
+    if request.kind not in (pb.DATA, pb.PARITY):
+        raise InvalidRequest("kind: ReadRows reads DATA or PARITY records")
+    other = request.kind == pb.PARITY  # a parity read waits for another shard's updates, never its own
+    if request.src != -1 and (
+        not 0 <= request.src < store.ctx.num_servers or (other and request.src == store.shard)
+    ):
+        raise InvalidRequest(f"src: {request.src} is not {'another ' if other else 'a '}shard of this job")
+    index = bytes_to_ids(request.index, "index")
+    as_of = None
+    if request.HasField("as_of"):  # (DATA: [n] versions; PARITY: [n, k], checked by the store)
+        as_of = bytes_to_ids(request.as_of, "as_of")
+    res = store.read_rows(KIND_NAMES[request.kind], index, request.src, as_of)
+    resp.records, resp.versions = floats_to_bytes(res.records), ids_to_bytes(res.versions)
+    if res.ready is not None:
+        resp.ready = res.ready.to(torch.uint8).numpy().tobytes()
+    return resp
 
 
 def refused_rows(refused: list[tuple[str, int, torch.Tensor]]) -> list:
@@ -623,18 +658,13 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
 
     @rpc("ReadRows", check_epoch=False, adopt_epoch=True)
     def ReadRows(self, request, context):
-        if request.kind not in (pb.DATA, pb.PARITY):
-            raise InvalidRequest("kind: ReadRows reads DATA or PARITY records")
-        if request.src != -1:
-            self._shard_id(request.src, "src", other=request.kind == pb.PARITY)
-        index = bytes_to_ids(request.index, "index")
-        as_of = None
-        if request.HasField("as_of"):  # (DATA: [n] versions; PARITY: [n, k], checked by the store)
-            as_of = bytes_to_ids(request.as_of, "as_of")
-        res = self.store.read_rows(KIND_NAMES[request.kind], index, request.src, as_of)
-        resp = pb.ReadRowsResponse(records=floats_to_bytes(res.records), versions=ids_to_bytes(res.versions))
-        if res.ready is not None:
-            resp.ready = res.ready.to(torch.uint8).numpy().tobytes()
+        return read_into(self.store, request, pb.ReadRowsResponse())
+
+    @rpc("ReadMany", check_epoch=False, adopt_epoch=True)
+    def ReadMany(self, request, context):
+        resp = pb.ReadManyResponse()
+        for read in request.reads:  # each answer filled in place: its bytes copied into the message once
+            read_into(self.store, read, resp.reads.add())
         return resp
 
     @rpc("DegradedPull")

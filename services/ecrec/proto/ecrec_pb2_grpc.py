@@ -114,6 +114,11 @@ class ParameterServerStub:
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.ReadRowsRequest.SerializeToString,
                 response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.ReadRowsResponse.FromString,
                 _registered_method=True)
+        self.ReadMany = channel.unary_unary(
+                '/ecrec.v1.ParameterServer/ReadMany',
+                request_serializer=ecrec_dot_proto_dot_ecrec__pb2.ReadManyRequest.SerializeToString,
+                response_deserializer=ecrec_dot_proto_dot_ecrec__pb2.ReadManyResponse.FromString,
+                _registered_method=True)
         self.DegradedPull = channel.unary_unary(
                 '/ecrec.v1.ParameterServer/DegradedPull',
                 request_serializer=ecrec_dot_proto_dot_ecrec__pb2.DegradedPullRequest.SerializeToString,
@@ -243,6 +248,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DegradedPull(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -355,6 +366,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReadRows,
                     request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.ReadRowsRequest.FromString,
                     response_serializer=ecrec_dot_proto_dot_ecrec__pb2.ReadRowsResponse.SerializeToString,
+            ),
+            'ReadMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadMany,
+                    request_deserializer=ecrec_dot_proto_dot_ecrec__pb2.ReadManyRequest.FromString,
+                    response_serializer=ecrec_dot_proto_dot_ecrec__pb2.ReadManyResponse.SerializeToString,
             ),
             'DegradedPull': grpc.unary_unary_rpc_method_handler(
                     servicer.DegradedPull,
@@ -814,6 +830,33 @@ class ParameterServer:
             '/ecrec.v1.ParameterServer/ReadRows',
             ecrec_dot_proto_dot_ecrec__pb2.ReadRowsRequest.SerializeToString,
             ecrec_dot_proto_dot_ecrec__pb2.ReadRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ecrec.v1.ParameterServer/ReadMany',
+            ecrec_dot_proto_dot_ecrec__pb2.ReadManyRequest.SerializeToString,
+            ecrec_dot_proto_dot_ecrec__pb2.ReadManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
