@@ -71,6 +71,7 @@ def test_a_scale_s_numbers_come_from_its_three_reports():
     assert run["noft"] == 1000.0 and run["ecrec"] == 800.0  # steady before the kill only
     assert run["continue_s"] == pytest.approx(0.25) and run["rebuild_s"] == pytest.approx(2.0)
     assert run["rows_per_s"] == pytest.approx(2500.0) and run["bytes_per_s"] == pytest.approx(2500 * 128)
+    assert run["read_bytes_per_s"] == pytest.approx(2500 * 4 * 128)  # k − 1 members and a parity record
     assert run["rebuild_ratio"] == pytest.approx(0.5)
     # kill -> recovered: 800 samples in 3 s against 2400 at 800/s, so 2 s of training lost
     assert run["lost_s"] == pytest.approx(2.0)
@@ -186,6 +187,7 @@ def test_bench_scale_runs_each_scale_s_jobs_with_the_kill_at_a_step_and_writes_o
         return ecrec
 
     monkeypatch.setattr(sb, "_run", fake_run)
+    monkeypatch.setattr(sb, "grpc_stream_rate", lambda: 4e6)
     rows = sb.bench_scale(JOB, [1, 2], 300, 100, [], tmp_path)
     assert seen == [
         ("empty", "ecrec", 1, 100),
@@ -194,6 +196,8 @@ def test_bench_scale_runs_each_scale_s_jobs_with_the_kill_at_a_step_and_writes_o
     ]
     # pause 0.045 s is 0.09 of a 0.5 s interval: 15 steps at ×1's 30 steps/s, 30 at ×2's 60
     assert [r["interval_steps"] for r in rows] == [15, 30]
+    # 2,500 rows/s, each reading k = 4 records of 128 bytes: 1.28 MB/s, against a stream of 4 MB/s
+    assert [r["read_over_stream"] for r in rows] == [pytest.approx(0.32)] * 2
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [r["model scale"] for r in summary] == [1, 2] and summary[1]["model rows"] == 2 * 107_200
     assert summary[0]["RSS / raw bytes held"] is not None  # both jobs' servers read: this process's RSS
@@ -230,3 +234,9 @@ def test_the_command_line_passes_the_scales_the_job_and_a_third_of_the_steps_as_
             main(["bench", "scale", *argv, "--steps", "90", "--out", "/tmp/x"])
         assert e.value.code == 0
     assert calls[0] == calls[1] == ((JOB, [1, 8, 64], 90, 30, [], Path("/tmp/x")), {"rounds": 1})
+
+
+def test_the_transport_probe_moves_bytes_over_a_real_grpc_stream():
+    from ecrec.transportprobe import grpc_stream_rate
+
+    assert grpc_stream_rate(seconds=0.2, size=1 << 20) > 0

@@ -36,6 +36,7 @@ from ecrec.jobctx import JobContext
 from ecrec.local import write_report
 from ecrec.paperbench.metrics import ckpt_recovery
 from ecrec.paperbench.paper import CKPT_TIME_OVER_SHORT_INTERVAL
+from ecrec.transportprobe import grpc_stream_rate
 
 KILLED = 2  # the shard SIGKILLed, as in `bench recovery`
 MIB = 2**20
@@ -171,6 +172,8 @@ def scale_run(ctx: JobContext, noft: dict, ecrec: dict, ckpt: dict, interval: in
         "rows_recovered": rows,
         "rows_per_s": rows / rebuild if rebuild > 0 else NAN,
         "bytes_per_s": rows * 4 * ctx.record_width / rebuild if rebuild > 0 else NAN,
+        # what a row's decode reads: its stripe's k − 1 other members and a parity record
+        "read_bytes_per_s": rows * ctx.placement.k * 4 * ctx.record_width / rebuild if rebuild > 0 else NAN,
         "rebuild_ratio": rec["rebuild_ratio"],
         "lost_s": rec["lost_s"],
         "interval_steps": interval,
@@ -258,11 +261,15 @@ def bench_scale(
             f"{_median([run['restore_s']]):.2f}s",
             flush=True,
         )
+    stream = grpc_stream_rate()  # on the quiet machine, after the jobs
     rows = [scale_row(s, ecrec_at(s), runs[s]) for s in scales]
+    for row in rows:
+        row["read_over_stream"] = row["read_bytes_per_s"] / stream
     title = (
         f"# ecrec bench scale: {job} {' '.join(sets)} steps={steps}, server {KILLED} SIGKILLed at step "
         f"{kill_step}; Ckpt short interval {short_s:.2f}s (pause at ×1 {pause:.3f}s / "
-        f"{CKPT_TIME_OVER_SHORT_INTERVAL:.3f}); empty server RSS {empty['rss'] / MIB:.0f} MiB"
+        f"{CKPT_TIME_OVER_SHORT_INTERVAL:.3f}); empty server RSS {empty['rss'] / MIB:.0f} MiB; one gRPC stream "
+        f"of raw bytes moves {stream / 1e6:,.0f} MB/s"
     )
     emit_table(title + (f" rounds={rounds} (medians)" if rounds > 1 else ""), COLUMNS, rows, out_dir)
     return rows
@@ -281,6 +288,8 @@ COLUMNS = [
     Column("rows rebuilt", lambda r: _round(r["rows_recovered"]), "{:,}"),
     Column("rows rebuilt/s", lambda r: _round(r["rows_per_s"]), "{:,}"),
     Column("MB rebuilt/s", lambda r: _round(r["bytes_per_s"] / 1e6, 2), "{:.1f}"),
+    Column("MB read/s", lambda r: _round(r["read_bytes_per_s"] / 1e6, 2), "{:.1f}"),
+    Column("read / one gRPC stream", lambda r: _round(r["read_over_stream"], 3), "{:.2f}"),
     Column("throughput while rebuilding / normal", lambda r: _round(r["rebuild_ratio"], 3), "{:.2f}"),
     Column("ECRec training lost s (at normal throughput)", lambda r: _round(r["lost_s"], 3), "{:.2f}"),
     Column("Ckpt short interval steps", lambda r: _round(r["interval_steps"]), "{:,}"),
