@@ -17,6 +17,7 @@ import torch
 from ecrec.client import PSClient
 from ecrec.core.codes import make_code
 from ecrec.core.ranges import members_by_slot
+from ecrec.core.vec import as_range
 from ecrec.proto import ecrec_pb2 as pb
 from ecrec.wire import ids_to_bytes
 
@@ -100,26 +101,45 @@ def staged_counts(client: PSClient) -> list[int]:
 
 
 def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All records of one kind on a server with their versions (DATA: [n]; PARITY: pver [n, k])."""
-    recs, vers = [], []
+    """All records of one kind on a server with their versions (DATA: [n, 1]; PARITY: pver [n, k])."""
+    k = 1 if kind == pb.DATA else client.ctx.placement.k
+    return _read_versions(client, server, _ask_versions(client, server, kind, n), n, k)
+
+
+def _ask_versions(client: PSClient, server: int, kind: int, n: int) -> list:
+    """Every page's ReadRows, sent at once (a range each: the server copies a slice)."""
+    calls = []
     for lo in range(0, n, READ_PAGE_ROWS):
-        index = torch.arange(lo, min(n, lo + READ_PAGE_ROWS))
-        req = pb.ReadRowsRequest(epoch=client.epoch, kind=kind, index=ids_to_bytes(index), src=-1)
-        resp = client.result(server, "ReadRows", client.call(server, "ReadRows", req))
-        # read-only views of the answers' bytes: torch.cat below copies them once
-        recs.append(torch.frombuffer(resp.records, dtype=torch.float32).view(index.numel(), -1))
-        vers.append(torch.frombuffer(resp.versions, dtype=torch.int64).view(index.numel(), -1))
-    if not recs:
-        return torch.empty(0, client.ctx.record_width), torch.empty(0, 1, dtype=torch.int64)
-    return torch.cat(recs), torch.cat(vers)
+        hi = min(n, lo + READ_PAGE_ROWS)
+        req = pb.ReadRowsRequest(
+            epoch=client.epoch, kind=kind, index=ids_to_bytes(torch.arange(lo, hi)), src=-1
+        )
+        calls.append((lo, hi, client.call(server, "ReadRows", req)))
+    return calls
+
+
+def _read_versions(
+    client: PSClient, server: int, calls: list, n: int, k: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The answers to `_ask_versions`, in one tensor each; `k` versions per record (parity: pver)."""
+    recs = torch.empty(n, client.ctx.record_width)
+    vers = torch.empty(n, k, dtype=torch.int64)
+    for lo, hi, fut in calls:
+        resp = client.result(server, "ReadRows", fut)
+        records, versions = resp.records, resp.versions  # (each access to a bytes field copies it)
+        recs[lo:hi] = torch.frombuffer(records, dtype=torch.float32).view(hi - lo, -1)
+        vers[lo:hi] = torch.frombuffer(versions, dtype=torch.int64).view(hi - lo, k)
+    return recs, vers
 
 
 def data_tables(client: PSClient) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every server's data records with their versions ([rows_on(s), W], [rows_on(s)])."""
-    p = client.ctx.placement
+    """Every server's data records with their versions ([rows_on(s), W], [rows_on(s)]): every page of every
+    server asked for at once, so the servers copy them out side by side."""
+    p, n = client.ctx.placement, client.ctx.num_servers
+    calls = [_ask_versions(client, s, pb.DATA, p.rows_on(s)) for s in range(n)]
     out = []
-    for s in range(client.ctx.num_servers):
-        recs, vers = read_versions(client, s, pb.DATA, p.rows_on(s))
+    for s in range(n):
+        recs, vers = _read_versions(client, s, calls[s], p.rows_on(s))
         out.append((recs, vers.view(-1)))
     return out
 
@@ -140,19 +160,21 @@ def parity_check(
     for attempt in range(rounds):
         if data is None or attempt:
             data = data_tables(client)
+        sizes = {server: p.r * p.parity_rows_on(server) for server in pending}
+        asked = {server: _ask_versions(client, server, pb.PARITY, sizes[server]) for server in pending}
         for server in list(pending):
-            parity, pver = read_versions(client, server, pb.PARITY, p.r * p.parity_rows_on(server))
+            parity, pver = _read_versions(client, server, asked[server], sizes[server], p.k)
             index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
             js, blocks = p.parity_slot(index)  # (r = 2: P's records, then Q's, of different stripes)
             expected = torch.empty(index.numel(), ctx.record_width)
             mvers = torch.empty(index.numel(), p.k, dtype=torch.int64)
             for j in js.unique().tolist():
                 at = (js == j).nonzero().squeeze(1)
-                members = members_by_slot(p, server, j, [recs for recs, _v in data])[:, blocks[at]]
-                mvers[at] = members_by_slot(p, server, j, [v for _r, v in data])[:, blocks[at]].T
+                members = _pick(members_by_slot(p, server, j, [recs for recs, _v in data]), blocks[at])
+                mvers[at] = _pick(members_by_slot(p, server, j, [v for _r, v in data]), blocks[at]).T
                 expected[at] = code.encode(members, j) if p.r == 2 else code.encode(members)
-            settled = (mvers == pver[index]).all(dim=1)
-            got = parity[index]
+            settled = (mvers == _pick(pver, index, dim=0)).all(dim=1)
+            got = _pick(parity, index, dim=0)
             if code.exact:
                 ok = (expected.view(torch.int32) == got.view(torch.int32)).all(dim=1)
             else:
@@ -170,3 +192,12 @@ def parity_check(
     client.metrics.of(client.metrics.parity_checks, result="ok").inc(stripes - mismatches)
     client.metrics.of(client.metrics.parity_checks, result="mismatch").inc(mismatches)
     return {"stripes": stripes, "mismatches": mismatches, "in_flight": in_flight}
+
+
+def _pick(t: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """t's entries `index` along `dim`: a view where they are one range (the first round reads every
+    stripe), else a gather."""
+    span = as_range(index)
+    if span is None:
+        return t.index_select(dim, index)
+    return t.narrow(dim, span[0], span[1] - span[0])
