@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -101,47 +102,41 @@ def staged_counts(client: PSClient) -> list[int]:
 
 
 def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All records of one kind on a server with their versions (DATA: [n, 1]; PARITY: pver [n, k])."""
+    """All records of one kind on a server with their versions (DATA: [n, 1]; PARITY: pver [n, k]), page by
+    page (one in flight: a server busy copying pages must still answer its heartbeats), each a range the
+    server copies as a slice, into one preallocated tensor."""
     k = 1 if kind == pb.DATA else client.ctx.placement.k
-    return _read_versions(client, server, _ask_versions(client, server, kind, n), n, k)
-
-
-def _ask_versions(client: PSClient, server: int, kind: int, n: int) -> list:
-    """Every page's ReadRows, sent at once (a range each: the server copies a slice)."""
-    calls = []
+    recs = torch.empty(n, client.ctx.record_width)
+    vers = torch.empty(n, k, dtype=torch.int64)
     for lo in range(0, n, READ_PAGE_ROWS):
         hi = min(n, lo + READ_PAGE_ROWS)
         req = pb.ReadRowsRequest(
             epoch=client.epoch, kind=kind, index=ids_to_bytes(torch.arange(lo, hi)), src=-1
         )
-        calls.append((lo, hi, client.call(server, "ReadRows", req)))
-    return calls
-
-
-def _read_versions(
-    client: PSClient, server: int, calls: list, n: int, k: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The answers to `_ask_versions`, in one tensor each; `k` versions per record (parity: pver)."""
-    recs = torch.empty(n, client.ctx.record_width)
-    vers = torch.empty(n, k, dtype=torch.int64)
-    for lo, hi, fut in calls:
-        resp = client.result(server, "ReadRows", fut)
+        resp = client.result(server, "ReadRows", client.call(server, "ReadRows", req))
         records, versions = resp.records, resp.versions  # (each access to a bytes field copies it)
         recs[lo:hi] = torch.frombuffer(records, dtype=torch.float32).view(hi - lo, -1)
         vers[lo:hi] = torch.frombuffer(versions, dtype=torch.int64).view(hi - lo, k)
     return recs, vers
 
 
+def _each_server(servers, read) -> list:
+    """read(server) for every server, side by side (a thread each; one page in flight per server)."""
+    servers = list(servers)
+    if not servers:
+        return []
+    with ThreadPoolExecutor(len(servers), thread_name_prefix="modelread") as pool:
+        return list(pool.map(read, servers))
+
+
 def data_tables(client: PSClient) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every server's data records with their versions ([rows_on(s), W], [rows_on(s)]): every page of every
-    server asked for at once, so the servers copy them out side by side."""
-    p, n = client.ctx.placement, client.ctx.num_servers
-    calls = [_ask_versions(client, s, pb.DATA, p.rows_on(s)) for s in range(n)]
-    out = []
-    for s in range(n):
-        recs, vers = _read_versions(client, s, calls[s], p.rows_on(s))
-        out.append((recs, vers.view(-1)))
-    return out
+    """Every server's data records with their versions ([rows_on(s), W], [rows_on(s)]), the servers read side
+    by side."""
+    p = client.ctx.placement
+    tables = _each_server(
+        range(client.ctx.num_servers), lambda s: read_versions(client, s, pb.DATA, p.rows_on(s))
+    )
+    return [(recs, vers.view(-1)) for recs, vers in tables]
 
 
 def parity_check(
@@ -160,10 +155,17 @@ def parity_check(
     for attempt in range(rounds):
         if data is None or attempt:
             data = data_tables(client)
-        sizes = {server: p.r * p.parity_rows_on(server) for server in pending}
-        asked = {server: _ask_versions(client, server, pb.PARITY, sizes[server]) for server in pending}
+        servers = list(pending)
+        size = {s: p.r * p.parity_rows_on(s) for s in servers}
+        read = dict(
+            zip(
+                servers,
+                _each_server(servers, lambda s, size=size: read_versions(client, s, pb.PARITY, size[s])),
+                strict=True,
+            )
+        )
         for server in list(pending):
-            parity, pver = _read_versions(client, server, asked[server], sizes[server], p.k)
+            parity, pver = read[server]
             index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])
             js, blocks = p.parity_slot(index)  # (r = 2: P's records, then Q's, of different stripes)
             expected = torch.empty(index.numel(), ctx.record_width)
