@@ -396,6 +396,7 @@ def test_out_of_range_shards_and_chunks_are_invalid_argument_not_unknown(served)
                 ]
             )
         ),
+        lambda: served.stub.Pull(pb.PullRequest(epoch=served.epoch, ids=g, dense_chunks=[0], warm=True)),
         lambda: served.stub.CopyDense(pb.CopyDenseRequest(chunk=2**31)),
         lambda: served.stub.Stage(pb.StageRequest(epoch=served.epoch, txn="w0-1/1.9.0", ids=g, src=9)),
         lambda: served.stub.ReadRecords(pb.ReadRecordsRequest(kind=7)),

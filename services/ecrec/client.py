@@ -328,6 +328,18 @@ class PSClient:
             todo = torch.cat(retry) if retry else none
             chunks = retry_chunks
 
+    def recovering(self) -> bool:
+        """Is a shard's replacement being rebuilt, in this client's map?"""
+        return any(st == "recovering" for st in self.states.values())
+
+    def warm(self, g: torch.Tensor) -> None:
+        """Ask each shard being rebuilt to rebuild its rows among `g` now, ahead of the pulls that will read
+        them (ecrec.worker.ReadAhead): one decode round for many steps' rows instead of one per step. Fire and
+        forget: nothing waits for the answer, and a refusal costs only the head start."""
+        for s, pos, _local in self.ctx.placement.group_by_shard(g):
+            if self.states.get(s) == "recovering":
+                self.call(s, "Pull", pb.PullRequest(epoch=self.epoch, ids=ids_to_bytes(g[pos]), warm=True))
+
     def pull_rows(self, g: torch.Tensor) -> torch.Tensor:
         """Embedding rows for unique global ids `g` -> float32 [n, dim] (CPU)."""
         return self.pull(g, dense=False)[0]

@@ -167,7 +167,8 @@ class Fuzzer:
         bad = r.random() < 0.7
         if method == "Pull":
             chunks = r.choice([[], [shard], [shard, shard], [r.randrange(2**32)]])  # dense chunks too
-            return pb.PullRequest(epoch=ep(), ids=self._ids(shard, bad), dense_chunks=chunks)
+            warm = r.random() < 0.2  # a read-ahead: rebuilds nothing on a server that is not a replacement
+            return pb.PullRequest(epoch=ep(), ids=self._ids(shard, bad), dense_chunks=chunks, warm=warm)
         if method == "Push":
             return pb.PushRequest(epoch=ep(), ids=self._ids(shard, True), grads=self._floats(3, dim, True))
         if method == "PushDense":

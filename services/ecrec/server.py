@@ -452,6 +452,11 @@ class ParameterServicer(pb_grpc.ParameterServerServicer):
     @rpc("Pull")
     def Pull(self, request, context):
         g = bytes_to_ids(request.ids)
+        if request.warm:  # a worker's read-ahead (PSClient.warm): rebuild what is not yet, answer nothing
+            if request.dense_chunks:
+                raise InvalidRequest("dense_chunks: a warm pull reads no dense chunks")
+            self.store.warm(g)
+            return pb.PullResponse()
         chunks = list(request.dense_chunks)
         if len(set(chunks)) != len(chunks):
             raise InvalidRequest("dense_chunks: a chunk is named twice")

@@ -467,6 +467,46 @@ class Pace:
         return slept
 
 
+READ_AHEAD_STEPS = 64  # steps whose rows a worker announces to a replacement being rebuilt (ReadAhead)
+
+
+class ReadAhead:
+    """A worker's batches, made ahead while a shard's replacement is being rebuilt, so that it can rebuild the
+    rows they will pull in one decode round (`warm`, PSClient.warm) instead of one round per step: a pull of a
+    row not rebuilt yet waits for its decode, and with Zipf ids almost every step pulls some. Every
+    `steps // 2` steps it announces the rows of the next `steps` steps. A batch is a pure function of its
+    step (`make`), made once: early, and kept for its step."""
+
+    def __init__(
+        self,
+        make: Callable[[int], Batch],
+        last: int,
+        offsets: torch.Tensor,
+        warm: Callable[[torch.Tensor], None],
+        recovering: Callable[[], bool],
+        steps: int = READ_AHEAD_STEPS,
+    ):
+        self.make, self.last, self.offsets = make, last, offsets
+        self.warm, self.recovering, self.steps = warm, recovering, steps
+        self._made: dict[int, Batch] = {}
+        self._until = 0  # the steps before this one have been announced
+
+    def batch(self, step: int) -> Batch:
+        for old in [s for s in self._made if s < step]:  # (after a rollback to a later checkpoint)
+            del self._made[old]
+        if step + self.steps // 2 >= self._until and self.recovering():
+            first, end = max(step, self._until), min(self.last, step + self.steps)
+            for s in range(first, end):
+                if s not in self._made:
+                    self._made[s] = self.make(s)
+            if end > first:
+                ids = torch.cat([(self._made[s].ids + self.offsets).reshape(-1) for s in range(first, end)])
+                self.warm(torch.unique(ids))
+            self._until = end
+        made = self._made.pop(step, None)
+        return made if made is not None else self.make(step)
+
+
 def _settle(in_flight) -> None:
     """Wait for the update in flight; a lost server's part of it is the rollback's or the restore's concern."""
     if in_flight is not None:
@@ -543,6 +583,13 @@ def run_worker(
     B = spec.training.batch_size
     step = int(resume["step"])
     pace = Pace(spec.training.max_steps_per_second)
+    ahead = ReadAhead(
+        lambda s: data.batch(s * workers + rank, B),
+        spec.training.steps,
+        ctx.table_offsets,
+        client.warm,
+        lambda: ctx.ecrec and client.recovering(),
+    )
     try:
         while True:
             while step < spec.training.steps:
@@ -550,7 +597,7 @@ def run_worker(
                     in_flight, step = None, jump
                     continue
                 pace.wait()
-                batch = data.batch(step * workers + rank, B)
+                batch = ahead.batch(step)
                 # Step ids are unique per process and rollback: a replacement's predecessor, or this process
                 # before a rollback, may have applied the same step.
                 txn = f"w{rank}-{step}" if incarnation == 1 else f"w{rank}i{incarnation}-{step}"

@@ -31,6 +31,10 @@ class Records(StoreState):
             self.snapshots.read(local)
             return self.rows.records[:, : self.dim].index_select(0, local)
 
+    def warm(self, g: torch.Tensor) -> None:
+        """Rebuild those of rows `g` a replacement has not reached yet, ahead of their pulls."""
+        self.ensure_rows(self.local_rows(g))
+
     def pull_dense(self, chunk: int) -> torch.Tensor:
         self._chunk(chunk)
         with self.lock:
