@@ -492,7 +492,7 @@ class ReadAhead:
         self._until = 0  # the steps before this one have been announced
 
     def batch(self, step: int) -> Batch:
-        for old in [s for s in self._made if s < step]:  # (after a rollback to a later checkpoint)
+        for old in [s for s in self._made if s < step]:  # (a jump forward: those steps will not come)
             del self._made[old]
         if step + self.steps // 2 >= self._until and self.recovering():
             first, end = max(step, self._until), min(self.last, step + self.steps)
