@@ -50,3 +50,14 @@ def test_in_range():
     assert in_range(torch.tensor([0, 9, 3]), 10)
     assert not in_range(torch.tensor([0, 10]), 10)
     assert not in_range(torch.tensor([-1, 3]), 10)
+
+
+def test_take_copies_a_range_as_a_slice_and_anything_else_as_a_gather():
+    from ecrec.core.vec import take
+
+    t = torch.arange(20.0).view(10, 2)
+    for index in (torch.arange(3, 7), torch.tensor([5, 1, 8]), torch.tensor([4])):
+        got = take(t, index)
+        assert torch.equal(got, t[index])
+        got += 1  # a copy: the table is not touched
+    assert torch.equal(t, torch.arange(20.0).view(10, 2))

@@ -123,8 +123,6 @@ def read_versions(client: PSClient, server: int, kind: int, n: int) -> tuple[tor
 def _each_server(servers, read) -> list:
     """read(server) for every server, side by side (a thread each; one page in flight per server)."""
     servers = list(servers)
-    if not servers:
-        return []
     with ThreadPoolExecutor(len(servers), thread_name_prefix="modelread") as pool:
         return list(pool.map(read, servers))
 
@@ -156,14 +154,10 @@ def parity_check(
         if data is None or attempt:
             data = data_tables(client)
         servers = list(pending)
-        size = {s: p.r * p.parity_rows_on(s) for s in servers}
-        read = dict(
-            zip(
-                servers,
-                _each_server(servers, lambda s, size=size: read_versions(client, s, pb.PARITY, size[s])),
-                strict=True,
-            )
+        parities = _each_server(
+            servers, lambda s: read_versions(client, s, pb.PARITY, p.r * p.parity_rows_on(s))
         )
+        read = dict(zip(servers, parities, strict=True))
         for server in list(pending):
             parity, pver = read[server]
             index = pending[server] if pending[server] is not None else torch.arange(parity.shape[0])

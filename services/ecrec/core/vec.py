@@ -55,3 +55,12 @@ def as_range(x: torch.Tensor) -> tuple[int, int] | None:
     if hi - lo != n or (n > 1 and not bool((x[1:] > x[:-1]).all())):
         return None
     return lo, hi
+
+
+def take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A copy of t's rows `index`: of a slice where they are one range (`as_range`: a rebuild's or a
+    whole-table read), else a gather (a copy already)."""
+    span = as_range(index)
+    if span is None:
+        return t[index]
+    return t[span[0] : span[1]].clone()

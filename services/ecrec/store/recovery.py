@@ -23,7 +23,7 @@ import torch
 
 from ecrec.core.ranges import RangeDecode
 from ecrec.core.stripes import Read, ReadResult, SecondFailure, StripeDecode, StripeEncode, StripesLost
-from ecrec.core.vec import as_range, in_range
+from ecrec.core.vec import in_range, take
 from ecrec.faults import fault_point
 from ecrec.store.peers import PeerFailed
 from ecrec.store.state import REBUILD_TXN, Busy, NotOwner, StoreState
@@ -57,12 +57,8 @@ class Recovery(StoreState):
                     raise NotOwner(f"rows of shard {self.shard} not rebuilt yet")
                 if src >= 0:  # re-encoding parity: no staged update may slip between this read and its commit
                     self._wait(lambda: not self.rows.locks.busy(index), "rows staged by a txn")
-                span = as_range(index)
-                if span is not None:  # a rebuild's range read: a copy of the slice
-                    records = self.rows.records[span[0] : span[1]].clone()
-                    versions = self.rows.versions[span[0] : span[1]].clone()
-                else:  # (a gather by an index tensor is a copy already: nothing here aliases the table)
-                    records, versions = self.rows.records[index], self.rows.versions[index]
+                # (copies: nothing here aliases the table)
+                records, versions = take(self.rows.records, index), take(self.rows.versions, index)
                 if as_of is None:
                     return ReadResult(records, versions)
                 if not (self.logged and self.code.exact):
@@ -90,16 +86,8 @@ class Recovery(StoreState):
                     # The rebuild retries; the same wait every time is the sign of an update lost for good.
                     log.warning("a rebuild's read waited in vain: %s", self._undecided_why(src, index))
                     raise
-            span = as_range(index)
-            if span is not None:  # a rebuild's range read: a copy of the slice
-                lo, hi = span
-                return ReadResult(
-                    self.parity.parity[lo:hi].clone(),
-                    self.parity.pver[lo:hi].clone(),
-                    self.parity.ready[lo:hi].clone(),
-                )
-            # (gathers by an index tensor: copies already)
-            return ReadResult(self.parity.parity[index], self.parity.pver[index], self.parity.ready[index])
+            pr = self.parity
+            return ReadResult(take(pr.parity, index), take(pr.pver, index), take(pr.ready, index))
 
     def _undecided_why(self, src: int, index: torch.Tensor) -> str:
         """What `_undecided_from` waits for, in words (for the log). (Needs `lock`.)"""
